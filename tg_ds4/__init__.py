@@ -1,0 +1,5 @@
+"""tg_ds4: DeepSeek-family LLM inference on tinygrad, from GGUF files."""
+from tg_ds4.gguf import GGUFError, GGUFFile, open_gguf
+from tg_ds4.quant import QTensor, dequantize, linear
+
+__all__ = ["GGUFError", "GGUFFile", "open_gguf", "QTensor", "dequantize", "linear"]
