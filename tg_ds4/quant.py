@@ -11,10 +11,11 @@ with shifts by `arange` constants (`_unpack`), instead of slicing the same bytes
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from tinygrad import Tensor, dtypes
 from tinygrad.dtype import DType
+from tinygrad.helpers import prod
 
 # ---------------------------------------------------------------- byte-field helpers
 
@@ -96,30 +97,37 @@ def dequantize(blocks: Tensor, qtype: QuantType | int | str) -> Tensor:
 class QTensor:
   """A GGUF tensor that stays packed: `blocks` is uint8 `[*shape[:-1], shape[-1] // block, block_bytes]`.
 
-  `shape` is the logical (tinygrad-order) shape. Indexing the leading axes (expert ids, token ids) gathers packed
-  blocks, so a lookup reads only the rows it selects; `dequant()` is lazy and fuses into its consumer."""
-  def __init__(self, blocks: Tensor, qtype: QuantType, shape: tuple[int, ...]):
+  `shape` is the logical (tinygrad-order) shape. Indexing the leading axes (expert ids, token ids) gives a QTensor
+  whose `dequant()` unpacks the parent and then indexes: a one-hot gather over packed bytes is a reduce read by
+  several field slices, which tinygrad realizes as its own kernel, while a gather of the unpacked values folds into
+  indexed loads of only the selected rows. `blocks` of an indexed QTensor is the (lazy) byte gather."""
+  def __init__(self, blocks: Tensor, qtype: QuantType, shape: tuple[int, ...], _parent: tuple[QTensor, Any] | None = None):
     assert blocks.shape == (*shape[:-1], shape[-1] // qtype.block, qtype.nbytes), (blocks.shape, shape, qtype)
-    self.blocks, self.qtype, self.shape = blocks, qtype, tuple(shape)
+    self.blocks, self.qtype, self.shape, self._parent = blocks, qtype, tuple(shape), _parent
 
   def __repr__(self): return f"QTensor({self.qtype.name}, shape={self.shape}, device={self.device})"
   @property
   def device(self): return self.blocks.device
   @property
-  def nbytes(self) -> int: return self.blocks.nbytes()
+  def nbytes(self) -> int: return prod(self.blocks.shape)
   @property
   def ndim(self) -> int: return len(self.shape)
 
   def dequant(self, dtype: DType | None = None) -> Tensor:
+    if self._parent is not None: return self._parent[0].dequant(dtype)[self._parent[1]]
     x = dequantize(self.blocks, self.qtype)
     return x if dtype is None or x.dtype == dtype else x.cast(dtype)
 
   def __getitem__(self, idx) -> QTensor:
-    """Gather along leading axes only (the packed last axis cannot be sliced mid-block)."""
+    """Index leading axes only (the packed last axis cannot be sliced mid-block)."""
     blocks = self.blocks[idx]
-    return QTensor(blocks, self.qtype, (*blocks.shape[:-2], self.shape[-1]))
+    return QTensor(blocks, self.qtype, (*blocks.shape[:-2], self.shape[-1]), (self, idx))
 
-  def to(self, device: str) -> QTensor: return QTensor(self.blocks.to(device), self.qtype, self.shape)
+  def to(self, device: str) -> QTensor:
+    if self._parent is None: return QTensor(self.blocks.to(device), self.qtype, self.shape)
+    idx = self._parent[1]
+    mv = lambda i: i.to(device) if isinstance(i, Tensor) else i
+    return self._parent[0].to(device)[tuple(mv(i) for i in idx) if isinstance(idx, tuple) else mv(idx)]
 
 Weight = Tensor | QTensor
 

@@ -1,0 +1,29 @@
+# `make run`: set up and run the main job on the default model.  `make test`: set up and run the test suite.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+MODEL ?= smollm2
+
+.PHONY: run test lint install clean
+run: $(STAMP)
+	$(BIN)/python -m tg_ds4 inspect $(MODEL)
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+install: $(STAMP)
+
+# clang: tinygrad's CPU backend compiles kernels with it. A venv keeps the install to one place we own.
+$(STAMP): pyproject.toml
+	@command -v clang >/dev/null 2>&1 || { echo "installing clang (tinygrad CPU backend)"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang >/dev/null; }
+	@[ -x $(BIN)/python ] || $(PY) -m venv $(VENV) || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null && $(PY) -m venv $(VENV); }
+	$(BIN)/python -m pip install -q -e '.[test]'
+	@touch $@
+
+clean:
+	rm -rf $(VENV) build *.egg-info
