@@ -1,0 +1,128 @@
+"""ModelConfig: every hyperparameter a model needs, read from GGUF metadata only (no per-model constants)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import IntEnum
+
+from tg_ds4.gguf import GGUFError, GGUFFile
+
+class Gating(IntEnum):
+  """llama.cpp's llama_expert_gating_func_type."""
+  SOFTMAX = 1
+  SIGMOID = 2
+  SOFTMAX_WEIGHT = 3
+  SQRT_SOFTPLUS = 4
+
+class RopeType(IntEnum):
+  NORM = 0  # rotate adjacent pairs (x[2i], x[2i+1]): llama.cpp's deepseek2 and llama GGUFs
+  NEOX = 2  # rotate halves (x[i], x[i+d/2]): qwen2, qwen3, gemma3
+
+ROPE_TYPE = {"deepseek2": RopeType.NORM, "llama": RopeType.NORM, "qwen2": RopeType.NEOX, "qwen3": RopeType.NEOX, "gemma3": RopeType.NEOX}
+SUPPORTED_ARCHS = tuple(ROPE_TYPE)
+
+@dataclass(frozen=True)
+class RopeConfig:
+  dim: int                    # rotated dims per head
+  base: float
+  type: RopeType
+  freq_scale: float = 1.0     # 1/factor for linear and YaRN scaling
+  ext_factor: float = 0.0     # 1 with YaRN: blend interpolated and extrapolated frequencies
+  attn_factor: float = 1.0    # magnitude applied to cos/sin (llama.cpp's yarn_attn_factor, before its in-kernel YaRN boost)
+  orig_ctx: int = 0
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+
+  @property
+  def yarn(self) -> bool: return self.ext_factor != 0.0
+
+@dataclass(frozen=True)
+class ModelConfig:
+  arch: str
+  n_layer: int
+  dim: int
+  n_vocab: int
+  n_head: int
+  n_kv_head: int
+  head_dim: int               # q/k head size (MLA: nope + rope)
+  v_head_dim: int
+  norm_eps: float
+  ctx_len: int
+  rope: RopeConfig
+  kq_scale: float
+  # dense FFN
+  ff_dim: int = 0
+  # MLA (kv_lora_rank > 0)
+  q_lora_rank: int = 0
+  kv_lora_rank: int = 0
+  # MoE (n_expert > 0)
+  n_expert: int = 0
+  n_expert_used: int = 0
+  n_expert_shared: int = 0
+  expert_ff_dim: int = 0
+  n_dense_lead: int = 0
+  gating: Gating = Gating.SOFTMAX
+  expert_weights_norm: bool = False
+  expert_weights_scale: float = 1.0
+  n_expert_group: int = 1
+  n_expert_group_used: int = 1
+
+  @property
+  def mla(self) -> bool: return self.kv_lora_rank > 0
+  @property
+  def qk_nope(self) -> int: return self.head_dim - self.rope.dim
+  def is_moe_layer(self, i: int) -> bool: return self.n_expert > 0 and i >= self.n_dense_lead
+
+  @staticmethod
+  def from_gguf(gf: GGUFFile) -> ModelConfig:
+    arch = gf.arch
+    if arch not in SUPPORTED_ARCHS:
+      raise GGUFError(f"{gf.path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+    def key(name, default=None, required=False):
+      v = gf.get(f"{arch}.{name}", default)
+      if v is None and required: raise GGUFError(f"{gf.path}: missing metadata key {arch}.{name}")
+      return v
+    n_layer = int(key("block_count", required=True)) - int(key("nextn_predict_layers", 0))
+    dim, n_head = int(key("embedding_length", required=True)), int(key("attention.head_count", required=True))
+    n_kv_head = key("attention.head_count_kv", n_head)
+    if isinstance(n_kv_head, list): raise GGUFError(f"{gf.path}: per-layer {arch}.attention.head_count_kv is not supported")
+    tokens = gf.get("tokenizer.ggml.tokens")
+    n_vocab = key("vocab_size") or (len(tokens) if tokens else None) or (gf.infos["token_embd.weight"].shape[0] if "token_embd.weight" in gf else None)
+    if not n_vocab: raise GGUFError(f"{gf.path}: cannot tell the vocabulary size (no {arch}.vocab_size, tokenizer.ggml.tokens or token_embd.weight)")
+    kv_lora = int(key("attention.kv_lora_rank", 0))
+    head_dim = int(key("attention.key_length_mla", 0) or key("attention.key_length", 0) or dim // n_head)
+    v_head_dim = int(key("attention.value_length_mla", 0) or key("attention.value_length", 0) or head_dim)
+    rope_dim = int(key("rope.dimension_count", head_dim))
+    ctx_len = int(key("context_length", 4096))
+
+    # RoPE scaling, with llama.cpp's constants: linear = interpolate only; YaRN = blend + attention-scale fix
+    scaling, factor = key("rope.scaling.type", "none"), float(key("rope.scaling.factor", 0.0) or 0.0)
+    freq_scale = 1.0 / factor if factor > 0 and scaling in ("linear", "yarn") else 1.0
+    yarn = scaling == "yarn" and freq_scale != 1.0
+    log_mul = float(key("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1  # the converter stored 0.1 * mscale_all_dim
+    mscale = lambda s, m: 1.0 if s <= 1 else 1.0 + 0.1 * m * math.log(s)  # DeepSeek's yarn_get_mscale
+    attn_factor = 1.0
+    if yarn:  # llama.cpp's yarn_attn_factor: it cancels the (1 + 0.1 ln factor) boost its rope kernel applies under YaRN
+      attn_factor = (1.0 if log_mul else mscale(factor, 1.0)) / (1.0 + 0.1 * math.log(factor))
+    attn_factor *= float(key("rope.scaling.attn_factor", 1.0) or 1.0)
+    # deepseek2 folds YaRN's mscale_all_dim into the softmax scale: kq_scale = mscale^2 / sqrt(qk head dim)
+    kq_mscale = attn_factor * (1.0 + 0.1 * math.log(1.0 / freq_scale)) * (1.0 + 0.1 * log_mul * math.log(1.0 / freq_scale)) \
+      if arch == "deepseek2" else 1.0
+    rope = RopeConfig(rope_dim, float(key("rope.freq_base", 10000.0)), ROPE_TYPE[arch], freq_scale, 1.0 if yarn else 0.0, attn_factor,
+                      int(key("rope.scaling.original_context_length", ctx_len)), float(key("rope.scaling.yarn_beta_fast", 32.0)),
+                      float(key("rope.scaling.yarn_beta_slow", 1.0)))
+
+    n_expert = int(key("expert_count", 0))
+    gating = key("expert_gating_func", 0)
+    if not gating:  # llama.cpp's default for GGUFs without the key: softmax, except GLM-4.7-Flash (sigmoid)
+      gating = Gating.SIGMOID if arch == "deepseek2" and n_layer in (47, 48) and n_vocab == 154880 else Gating.SOFTMAX
+    return ModelConfig(
+      arch=arch, n_layer=n_layer, dim=dim, n_vocab=int(n_vocab), n_head=n_head, n_kv_head=int(n_kv_head), head_dim=head_dim,
+      v_head_dim=v_head_dim, norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)), ctx_len=ctx_len, rope=rope,
+      kq_scale=kq_mscale * kq_mscale / math.sqrt(head_dim), ff_dim=int(key("feed_forward_length", 0)),
+      q_lora_rank=int(key("attention.q_lora_rank", 0) or 0), kv_lora_rank=kv_lora,
+      n_expert=n_expert, n_expert_used=int(key("expert_used_count", 0)), n_expert_shared=int(key("expert_shared_count", 0)),
+      expert_ff_dim=int(key("expert_feed_forward_length", 0)), n_dense_lead=int(key("leading_dense_block_count", 0)),
+      gating=Gating(int(gating)), expert_weights_norm=bool(key("expert_weights_norm", False)),
+      expert_weights_scale=float(key("expert_weights_scale", 0.0) or 1.0),
+      n_expert_group=int(key("expert_group_count", 1) or 1), n_expert_group_used=int(key("expert_group_used_count", 1) or 1))

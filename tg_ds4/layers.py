@@ -1,0 +1,67 @@
+"""Parameter declarations and the few layers every block uses, plus loading GGUF tensors into them by name.
+
+Modules declare each weight as `Param(shape)` under the attribute path that equals its GGUF name
+(`blk[3].attn_q_a.weight` <- `blk.3.attn_q_a.weight`), so loading needs no renaming table and a missing or
+misshapen tensor is reported by name. Components whose class sets `gguf_flat = True` (attention, FFN, MoE) keep their
+parameters in their parent's namespace, as GGUF does (`blk.3.attn_q_a`, not `blk.3.attn.attn_q_a`)."""
+from __future__ import annotations
+
+import dataclasses
+
+from tinygrad import Tensor, dtypes
+
+from tg_ds4.gguf import GGUFError, GGUFFile
+from tg_ds4.quant import QTensor, Weight, as_tensor, linear
+
+class Param:
+  """A weight to be loaded: expected tinygrad-order shape; `optional` ones may be absent from the file."""
+  def __init__(self, *shape: int, optional: bool = False): self.shape, self.optional = tuple(shape), optional
+  def __repr__(self): return f"Param{self.shape}"
+
+class Params:
+  """A named group of weights with no behaviour of its own (e.g. `attn_k_b.weight`, `exp_probs_b.bias`)."""
+  def __init__(self, **params): self.__dict__.update(params)
+
+class Linear:
+  def __init__(self, n_in: int, n_out: int, bias: bool = False):
+    self.weight: Weight | Param = Param(n_out, n_in)
+    self.bias: Weight | Param | None = Param(n_out) if bias else None
+  def __call__(self, x: Tensor) -> Tensor: return linear(x, self.weight, self.bias)
+
+class RMSNorm:
+  def __init__(self, dim: int, eps: float): self.weight, self.eps = Param(dim), eps
+  def __call__(self, x: Tensor) -> Tensor:
+    x = x.float()
+    return x * (x.square().mean(-1, keepdim=True) + self.eps).rsqrt() * as_tensor(self.weight)
+
+class Embedding:
+  def __init__(self, n_vocab: int, dim: int): self.weight: Weight | Param = Param(n_vocab, dim)
+  def __call__(self, tokens: Tensor) -> Tensor:
+    # gathers packed rows, so a lookup reads only the selected tokens' blocks
+    return self.weight[tokens].dequant(dtypes.float32) if isinstance(self.weight, QTensor) else self.weight[tokens].float()
+
+def _is_module(v) -> bool:  # our layer objects: not configs, tensors or anything from other packages
+  return type(v).__module__.startswith("tg_ds4.") and hasattr(v, "__dict__") and not dataclasses.is_dataclass(v)
+
+def _walk(obj, prefix: str = ""):
+  """Yield (gguf_name, owner, attr, Param) for every declared parameter below `obj`."""
+  items = enumerate(obj) if isinstance(obj, list) else vars(obj).items() if hasattr(obj, "__dict__") else ()
+  for k, v in items:
+    name = f"{prefix}{k}"
+    if isinstance(v, Param): yield name, obj, k, v
+    elif isinstance(v, list) or _is_module(v):
+      yield from _walk(v, prefix if getattr(v, "gguf_flat", False) else name + ".")
+
+def load_weights(model, gf: GGUFFile, device: str | None = None, rename: dict[str, str] | None = None) -> None:
+  """Replace every Param below `model` by the GGUF tensor of the same name, checking shapes."""
+  for name, owner, attr, p in _walk(model):
+    src = (rename or {}).get(name, name)
+    if src not in gf:
+      if p.optional: value = None
+      else: raise GGUFError(f"{gf.path}: missing tensor {src!r} (expected shape {list(p.shape)} for {gf.arch})")
+    else:
+      if (got := gf.infos[src].shape) != p.shape:
+        raise GGUFError(f"{gf.path}: tensor {src!r} has shape {list(got)}, expected {list(p.shape)}")
+      value = gf.tensor(src, device)
+    if isinstance(owner, list): owner[attr] = value
+    else: setattr(owner, attr, value)

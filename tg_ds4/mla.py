@@ -1,0 +1,64 @@
+"""Absorbed multi-head latent attention (DeepSeek V2/V3, GLM-4.7-Flash, youtu, Kimi): one latent cache per layer.
+
+Per token the cache holds `[rms_norm(kv_cmpr) ; rope(k_pe)]` (kv_lora + rope wide) and serves as K for every head; V is
+its first kv_lora columns. `attn_k_b` is folded into the query (q_nope @ k_b) and `attn_v_b` applied after attention,
+so K/V are never expanded per head (llama.cpp's deepseek2 MLA graph, as MQA with one KV head)."""
+from __future__ import annotations
+
+from tinygrad import Tensor, UOp, dtypes
+
+from tg_ds4.config import ModelConfig
+from tg_ds4.layers import Linear, Param, Params, RMSNorm
+from tg_ds4.quant import as_tensor
+from tg_ds4.rope import apply_rope
+
+def causal_mask(T: int, start_pos: int | UOp) -> Tensor | None:
+  """Additive mask `[T, start_pos+T]` for a chunk at `start_pos` (None for one token: it sees the whole cache).
+  The masked value is float32's min, not -inf, so even a fully masked row softmaxes to finite numbers."""
+  if T == 1: return None
+  keep = Tensor.ones(T, start_pos + T, dtype=dtypes.bool).tril(start_pos)
+  return keep.where(0.0, -3.4028234663852886e38)  # float32 min
+
+def write_cache(cache: Tensor, new: Tensor, start_pos: int | UOp) -> Tensor:
+  """Store `new` `[B, T, ...]` at rows start_pos..start_pos+T of `cache` `[B, max_ctx, ...]`; return the cache up to
+  start_pos+T, ordered after the store. Building the store into the graph (not `assign().realize()`) keeps it fusable
+  and lets TinyJit capture it with a symbolic start_pos."""
+  T = new.shape[1]
+  stored = Tensor(cache.uop.after(cache[:, start_pos:start_pos + T].uop.store(new.cast(cache.dtype).uop)))
+  return stored[:, :start_pos + T]
+
+class MLA:
+  gguf_flat = True
+  def __init__(self, cfg: ModelConfig):
+    self.cfg, H, L, R = cfg, cfg.n_head, cfg.kv_lora_rank, cfg.rope.dim
+    if cfg.q_lora_rank:
+      self.attn_q_a, self.attn_q_a_norm = Linear(cfg.dim, cfg.q_lora_rank), RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+      self.attn_q_b = Linear(cfg.q_lora_rank, H * cfg.head_dim)
+    else: self.attn_q = Linear(cfg.dim, H * cfg.head_dim)
+    self.attn_kv_a_mqa, self.attn_kv_a_norm = Linear(cfg.dim, L + R), RMSNorm(L, cfg.norm_eps)
+    self.attn_k_b, self.attn_v_b = Params(weight=Param(H, L, cfg.qk_nope)), Params(weight=Param(H, cfg.v_head_dim, L))
+    self.attn_output = Linear(H * cfg.v_head_dim, cfg.dim)
+    self.cache: Tensor | None = None
+
+  def init_cache(self, max_ctx: int, device: str | None = None, dtype=dtypes.float32):
+    self.cache = Tensor.zeros(1, max_ctx, self.cfg.kv_lora_rank + self.cfg.rope.dim, dtype=dtype, device=device).contiguous().realize()
+
+  def __call__(self, x: Tensor, start_pos: int | UOp, rope: Tensor) -> Tensor:
+    cfg, (B, T, _) = self.cfg, x.shape
+    H, L, R, nope = cfg.n_head, cfg.kv_lora_rank, cfg.rope.dim, cfg.qk_nope
+    q = self.attn_q_b(self.attn_q_a_norm(self.attn_q_a(x))) if cfg.q_lora_rank else self.attn_q(x)
+    q = q.reshape(B, T, H, cfg.head_dim)
+    q_pe = apply_rope(q[..., nope:], rope, start_pos, cfg.rope.type)
+    # absorb k_b into the query: [B,H,T,nope] @ [H,nope,L] -> [B,H,T,L]
+    q_lat = q[..., :nope].transpose(1, 2) @ as_tensor(self.attn_k_b.weight).transpose(-1, -2)
+    q = q_lat.cat(q_pe.transpose(1, 2), dim=-1)                                         # [B,H,T,L+R]
+
+    kv = self.attn_kv_a_mqa(x)
+    k_new = self.attn_kv_a_norm(kv[..., :L]).cat(apply_rope(kv[..., L:], rope, start_pos, cfg.rope.type), dim=-1)
+    k = write_cache(self.cache, k_new, start_pos).unsqueeze(1)                        # [B,1,S,L+R]
+
+    scores = (q @ k.transpose(-1, -2)) * cfg.kq_scale                                  # [B,H,T,S]
+    if (mask := causal_mask(T, start_pos)) is not None: scores = scores + mask
+    o = scores.softmax(-1) @ k[..., :L]                                                 # V = latent part of K
+    o = o @ as_tensor(self.attn_v_b.weight).transpose(-1, -2)                           # [B,H,T,v_head]
+    return self.attn_output(o.transpose(1, 2).reshape(B, T, H * cfg.v_head_dim))

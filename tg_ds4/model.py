@@ -1,0 +1,89 @@
+"""Transformer assembled from the config: token embedding, blocks (MLA or GQA attention; dense or MoE FFN), head.
+
+Module attributes carry GGUF tensor names, so `load_weights` fills them with packed tensors straight from the file."""
+from __future__ import annotations
+
+import pathlib
+
+from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
+
+from tg_ds4.attention import GQA
+from tg_ds4.config import ModelConfig
+from tg_ds4.gguf import GGUFError, GGUFFile
+from tg_ds4.layers import Embedding, Linear, RMSNorm, load_weights
+from tg_ds4.mla import MLA
+from tg_ds4.moe import FFN, MoE
+from tg_ds4.rope import rope_table
+
+class Block:
+  def __init__(self, cfg: ModelConfig, i: int, gf: GGUFFile):
+    has = lambda name: f"blk.{i}.{name}" in gf
+    self.attn_norm, self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps), RMSNorm(cfg.dim, cfg.norm_eps)
+    self.attn = MLA(cfg) if cfg.mla else GQA(cfg, bias=has("attn_q.bias"))
+    if cfg.is_moe_layer(i): self.ffn = MoE(cfg, fused_gate_up=has("ffn_gate_up_exps.weight"), has_bias=has("exp_probs_b.bias"))
+    else: self.ffn = FFN(cfg.dim, cfg.ff_dim)
+
+  def __call__(self, x: Tensor, start_pos: int | UOp, rope: Tensor) -> Tensor:
+    h = x + self.attn(self.attn_norm(x), start_pos, rope)
+    # contiguous: one barrier per block keeps the residual stream materialised, so the scheduler partitions the graph
+    # block by block instead of fusing across blocks (which explodes kernel count and recomputes norms)
+    return (h + self.ffn(self.ffn_norm(h))).contiguous()
+
+class Transformer:
+  def __init__(self, cfg: ModelConfig, gf: GGUFFile):
+    self.cfg = cfg
+    self.token_embd = Embedding(cfg.n_vocab, cfg.dim)
+    self.blk = [Block(cfg, i, gf) for i in range(cfg.n_layer)]
+    self.output_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+    self.output = Linear(cfg.dim, cfg.n_vocab)
+
+  @staticmethod
+  def from_gguf(path: str | pathlib.Path | GGUFFile, max_ctx: int | None = None, device: str | None = None) -> Transformer:
+    gf = path if isinstance(path, GGUFFile) else GGUFFile(path)
+    cfg = ModelConfig.from_gguf(gf)
+    device = device or Device.DEFAULT
+    model = Transformer(cfg, gf)
+    rename = {} if "output.weight" in gf else {"output.weight": "token_embd.weight"}  # tied embeddings
+    for i, b in enumerate(model.blk):
+      if cfg.mla and f"blk.{i}.attn_k_b.weight" not in gf: _split_kv_b(b.attn, gf, i, device)
+    load_weights(model, gf, device, rename)
+    model.max_ctx = min(max_ctx or cfg.ctx_len, cfg.ctx_len)
+    model.rope = rope_table(cfg.rope, model.max_ctx, device)
+    for b in model.blk: b.attn.init_cache(model.max_ctx, device)
+    model.decode_jit = TinyJit(model._decode)
+    return model
+
+  def forward(self, tokens: Tensor, start_pos: int | UOp, last_only: bool = False) -> Tensor:
+    """tokens `[1, T]` int32 at positions start_pos.. -> logits `[1, T, vocab]` (or `[1, 1, vocab]` with last_only)."""
+    x = self.token_embd(tokens)
+    for b in self.blk: x = b(x, start_pos, self.rope)
+    if last_only: x = x[:, -1:]
+    return self.output(self.output_norm(x))
+
+  def _decode(self, token: Tensor, start_pos: UOp) -> Tensor: return self.forward(token, start_pos).realize()
+
+  def decode(self, token: Tensor, pos: int) -> Tensor:
+    """One token through the TinyJit-captured step; `pos` is bound to a symbolic variable, so every position replays
+    the same captured kernels."""
+    return self.decode_jit(token, UOp.variable("start_pos", 0, self.max_ctx - 1).bind(pos))
+
+  def prefill(self, tokens: list[int], start_pos: int = 0, chunk: int = 64, last_only: bool = False) -> Tensor:
+    """Run tokens through the model in chunks, filling the caches; logits for every position (or the last)."""
+    if start_pos + len(tokens) > self.max_ctx: raise ValueError(f"{start_pos + len(tokens)} tokens exceed the context of {self.max_ctx}")
+    outs = []
+    for s in range(0, len(tokens), chunk):
+      t = Tensor([tokens[s:s + chunk]], dtype=dtypes.int32)
+      sp = UOp.variable("start_pos", 0, self.max_ctx - 1).bind(start_pos + s)  # symbolic: chunks share compiled kernels
+      outs.append(self.forward(t, sp, last_only=last_only).realize())
+    return outs[-1] if last_only else outs[0].cat(*outs[1:], dim=1) if len(outs) > 1 else outs[0]
+
+def _split_kv_b(attn: MLA, gf: GGUFFile, i: int, device: str) -> None:
+  """Old GGUFs store `attn_kv_b` [H*(nope+v), kv_lora]; split it into the absorbed k_b [H, kv_lora, nope] and
+  v_b [H, v, kv_lora] once at load (lazily: the dequant fuses into the first consumer)."""
+  name, cfg = f"blk.{i}.attn_kv_b.weight", attn.cfg
+  if name not in gf: raise GGUFError(f"{gf.path}: missing tensor 'blk.{i}.attn_k_b.weight' (and no legacy {name!r} to split)")
+  H, nope, v, L = cfg.n_head, cfg.qk_nope, cfg.v_head_dim, cfg.kv_lora_rank
+  if (got := gf.infos[name].shape) != (H * (nope + v), L): raise GGUFError(f"{gf.path}: tensor {name!r} has shape {list(got)}, expected {[H * (nope + v), L]}")
+  w = gf.tensor(name, device).dequant(dtypes.float32).reshape(H, nope + v, L)
+  attn.attn_k_b.weight = w[:, :nope].transpose(1, 2).contiguous().realize()
+  attn.attn_v_b.weight = w[:, nope:].contiguous().realize()

@@ -1,0 +1,77 @@
+"""Feed-forward blocks: dense SwiGLU and DeepSeek-style mixture of experts, routed entirely on the device.
+
+Routing follows llama.cpp's build_moe_ffn: gating (softmax / sigmoid / softmax-over-selected / sqrt-softplus), the
+`exp_probs_b` bias for selection only, group-limited selection (top-2 sum per group), optional weight normalisation and
+scale. Top-k is a rank count (a constant number of small kernels, no sort, no host round trip); the selected ids
+index the packed expert tensors, so only the chosen experts' bytes are read."""
+from __future__ import annotations
+
+from tinygrad import Tensor, dtypes
+
+from tg_ds4.config import Gating, ModelConfig
+from tg_ds4.layers import Linear, Param, Params
+from tg_ds4.quant import linear
+
+def topk_ids(x: Tensor, k: int) -> Tensor:
+  """Indices `[..., k]` of the k largest values along the last axis, largest first; ties go to the lower index."""
+  n = x.shape[-1]
+  i, j = Tensor.arange(n).reshape(n, 1), Tensor.arange(n).reshape(1, n)
+  xi, xj = x.unsqueeze(-1), x.unsqueeze(-2)
+  rank = ((xj > xi) | ((xj == xi) & (j < i))).sum(-1)                     # how many entries beat entry i
+  onehot = rank.unsqueeze(-2) == Tensor.arange(k).reshape(k, 1)           # [..., k, n]: which entry has rank r
+  return (onehot.where(Tensor.arange(n), 0)).sum(-1).cast(dtypes.int32)
+
+class FFN:
+  """SwiGLU: down(silu(gate(x)) * up(x)). Also the shared expert (`*_shexp`)."""
+  gguf_flat = True
+  def __init__(self, dim: int, hidden: int, suffix: str = ""):
+    self.suffix = suffix
+    for n, (i, o) in {"gate": (dim, hidden), "up": (dim, hidden), "down": (hidden, dim)}.items(): setattr(self, f"ffn_{n}{suffix}", Linear(i, o))
+  def __call__(self, x: Tensor) -> Tensor:
+    s = self.suffix
+    return getattr(self, f"ffn_down{s}")(getattr(self, f"ffn_gate{s}")(x).silu() * getattr(self, f"ffn_up{s}")(x))
+
+class MoE:
+  gguf_flat = True
+  def __init__(self, cfg: ModelConfig, fused_gate_up: bool = False, has_bias: bool = False):
+    E, D, F = cfg.n_expert, cfg.dim, cfg.expert_ff_dim
+    self.cfg = cfg
+    self.ffn_gate_inp = Linear(D, E)
+    if has_bias: self.exp_probs_b = Params(bias=Param(E))
+    if fused_gate_up: self.ffn_gate_up_exps = Params(weight=Param(E, 2 * F, D))
+    else: self.ffn_gate_exps, self.ffn_up_exps = Params(weight=Param(E, F, D)), Params(weight=Param(E, F, D))
+    self.ffn_down_exps = Params(weight=Param(E, D, F))
+    if cfg.n_expert_shared: self.shexp = FFN(D, F * cfg.n_expert_shared, "_shexp")
+
+  def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    """x `[B,T,D]` -> (expert ids `[B,T,k]` int32, weights `[B,T,k]`)."""
+    cfg, logits = self.cfg, self.ffn_gate_inp(x)
+    probs = {Gating.SOFTMAX: lambda: logits.softmax(-1), Gating.SIGMOID: lambda: logits.sigmoid(), Gating.SOFTMAX_WEIGHT: lambda: logits,
+             Gating.SQRT_SOFTPLUS: lambda: logits.softplus().sqrt()}[cfg.gating]()
+    sel = probs + self.exp_probs_b.bias.dequant() if hasattr(self, "exp_probs_b") else probs
+    if cfg.n_expert_group > 1:
+      G = cfg.n_expert_group
+      grouped = sel.reshape(*sel.shape[:-1], G, cfg.n_expert // G)
+      top2 = grouped.gather(-1, topk_ids(grouped, 2)).sum(-1)                     # group score: sum of its best two
+      keep = (topk_ids(top2, cfg.n_expert_group_used).unsqueeze(-1) == Tensor.arange(G)).any(-2)   # [B,T,G]
+      sel = keep.unsqueeze(-1).where(grouped, float("-inf")).reshape(sel.shape)
+    ids = topk_ids(sel, cfg.n_expert_used)
+    w = probs.gather(-1, ids)
+    if cfg.gating == Gating.SOFTMAX_WEIGHT: w = w.softmax(-1)
+    if cfg.expert_weights_norm: w = w / w.sum(-1, keepdim=True).maximum(6.103515625e-5)
+    if cfg.expert_weights_scale != 1.0: w = w * cfg.expert_weights_scale
+    return ids, w
+
+  def __call__(self, x: Tensor) -> Tensor:
+    ids, w = self.route(x)
+    h = x.unsqueeze(-2).unsqueeze(-2)                                              # [B,T,1,1,D] against [B,T,k,F,D]
+    if hasattr(self, "ffn_gate_up_exps"):
+      gu = linear(h, self.ffn_gate_up_exps.weight[ids])
+      F = gu.shape[-1] // 2
+      act = gu[..., :F].silu() * gu[..., F:]
+    else: act = linear(h, self.ffn_gate_exps.weight[ids]).silu() * linear(h, self.ffn_up_exps.weight[ids])
+    # contiguous: materialise the small [B,T,k,F] activation so the down projection is its own GEMV, not re-fused into
+    # the gate/up reduction (which would recompute them per output row)
+    y = linear(act.contiguous(), self.ffn_down_exps.weight[ids]).squeeze(-2)      # [B,T,k,D]
+    y = (y * w.unsqueeze(-1)).sum(-2)
+    return y + self.shexp(x) if hasattr(self, "shexp") else y
