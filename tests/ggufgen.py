@@ -7,6 +7,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as G
 
+
 def tiny_tensors(seed: int = 0) -> dict[str, tuple[np.ndarray, G]]:
   """name -> (float values in numpy order, storage type). Shapes are numpy/tinygrad order."""
   rng = np.random.default_rng(seed)
@@ -42,3 +43,41 @@ def stored_values(x: np.ndarray, qt: G) -> np.ndarray:
   if qt == G.F32: return x
   if qt == G.F16: return x.astype(np.float16).astype(np.float32)
   return gguf.quants.dequantize(gguf.quants.quantize(x, qt), qt).astype(np.float32).reshape(x.shape)
+
+def write_tiny_deepseek2(path: str | pathlib.Path, drop: str | None = None, reshape: tuple[str, tuple[int, ...]] | None = None,
+                         arch: str = "deepseek2", seed: int = 0) -> None:
+  """A 3-block DeepSeek-V3-shaped GGUF (1 dense + 2 MoE blocks, q_lora, sigmoid gating with bias) with random weights,
+  for structural tests (shapes, errors, JIT, kernel counts). `drop` leaves a tensor out; `reshape` writes one with a
+  wrong shape. Numerical correctness is checked against transformers/llama.cpp fixtures instead."""
+  rng = np.random.default_rng(seed)
+  W = lambda *s: (rng.standard_normal(s) / np.sqrt(s[-1])).astype(np.float32)
+  V, D, L, H, QL, KL, NOPE, R, VH, E, F, FF = 128, 64, 3, 4, 32, 32, 16, 8, 16, 8, 32, 96
+  w = gguf.GGUFWriter(str(path), arch)
+  for k, v in dict(block_count=L, context_length=64, embedding_length=D, feed_forward_length=FF, expert_feed_forward_length=F, expert_count=E,
+                   expert_used_count=2, expert_shared_count=1, leading_dense_block_count=1, expert_gating_func=2).items():
+    w.add_uint32(f"{arch}.{k}", v)
+  w.add_float32(f"{arch}.expert_weights_scale", 1.5); w.add_bool(f"{arch}.expert_weights_norm", True)
+  for k, v in dict(head_count=H, head_count_kv=1, q_lora_rank=QL, kv_lora_rank=KL, key_length=KL + R, value_length=KL, key_length_mla=NOPE + R,
+                   value_length_mla=VH).items():
+    w.add_uint32(f"{arch}.attention.{k}", v)
+  w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6); w.add_uint32(f"{arch}.rope.dimension_count", R)
+  w.add_float32(f"{arch}.rope.freq_base", 1e4)
+  w.add_string("tokenizer.ggml.model", "none")
+  def T(name, x, qt=G.F32):
+    if name == drop: return
+    if reshape and name == reshape[0]: x = np.resize(x, reshape[1])
+    w.add_tensor(name, x if qt == G.F32 else gguf.quants.quantize(x, qt), raw_dtype=qt)
+  T("token_embd.weight", W(V, D)); T("output.weight", W(V, D), G.Q8_0); T("output_norm.weight", 1 + 0.1 * W(D))
+  for i in range(L):
+    p = f"blk.{i}."
+    T(p + "attn_norm.weight", 1 + 0.1 * W(D)); T(p + "ffn_norm.weight", 1 + 0.1 * W(D))
+    T(p + "attn_q_a.weight", W(QL, D), G.Q8_0); T(p + "attn_q_a_norm.weight", 1 + 0.1 * W(QL)); T(p + "attn_q_b.weight", W(H * (NOPE + R), QL), G.Q8_0)
+    T(p + "attn_kv_a_mqa.weight", W(KL + R, D), G.Q8_0); T(p + "attn_kv_a_norm.weight", 1 + 0.1 * W(KL))
+    T(p + "attn_k_b.weight", W(H, KL, NOPE)); T(p + "attn_v_b.weight", W(H, VH, KL)); T(p + "attn_output.weight", W(D, H * VH), G.Q4_0)
+    if i == 0:
+      T(p + "ffn_gate.weight", W(FF, D), G.Q8_0); T(p + "ffn_up.weight", W(FF, D), G.Q8_0); T(p + "ffn_down.weight", W(D, FF), G.Q8_0)
+    else:
+      T(p + "ffn_gate_inp.weight", W(E, D)); T(p + "exp_probs_b.bias", 0.1 * W(E))
+      T(p + "ffn_gate_exps.weight", W(E, F, D), G.Q4_0); T(p + "ffn_up_exps.weight", W(E, F, D), G.Q4_0); T(p + "ffn_down_exps.weight", W(E, D, F), G.Q4_0)
+      T(p + "ffn_gate_shexp.weight", W(F, D), G.Q8_0); T(p + "ffn_up_shexp.weight", W(F, D), G.Q8_0); T(p + "ffn_down_shexp.weight", W(D, F), G.Q8_0)
+  w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()

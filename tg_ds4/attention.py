@@ -8,6 +8,7 @@ from tg_ds4.layers import Linear
 from tg_ds4.mla import causal_mask, write_cache
 from tg_ds4.rope import apply_rope
 
+
 class GQA:
   gguf_flat = True
   def __init__(self, cfg: ModelConfig, bias: bool = False):

@@ -7,6 +7,7 @@ from enum import IntEnum
 
 from tg_ds4.gguf import GGUFError, GGUFFile
 
+
 class Gating(IntEnum):
   """llama.cpp's llama_expert_gating_func_type."""
   SOFTMAX = 1

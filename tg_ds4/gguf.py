@@ -7,7 +7,12 @@ zero-copy view of the mmapped file on the CPU device (a copy from the DISK devic
 """
 from __future__ import annotations
 
-import mmap, os, pathlib, re, struct, weakref
+import mmap
+import os
+import pathlib
+import re
+import struct
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +20,7 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
 from tg_ds4.quant import QTYPES, QTensor, QuantType
+
 
 class GGUFError(ValueError):
   """A GGUF file that cannot be used; the message names the file and what was wrong."""

@@ -13,6 +13,7 @@ from tinygrad import Tensor, dtypes
 from tg_ds4.gguf import GGUFError, GGUFFile
 from tg_ds4.quant import QTensor, Weight, as_tensor, linear
 
+
 class Param:
   """A weight to be loaded: expected tinygrad-order shape; `optional` ones may be absent from the file."""
   def __init__(self, *shape: int, optional: bool = False): self.shape, self.optional = tuple(shape), optional

@@ -12,6 +12,7 @@ from tg_ds4.layers import Linear, Param, Params, RMSNorm
 from tg_ds4.quant import as_tensor
 from tg_ds4.rope import apply_rope
 
+
 def causal_mask(T: int, start_pos: int | UOp) -> Tensor | None:
   """Additive mask `[T, start_pos+T]` for a chunk at `start_pos` (None for one token: it sees the whole cache).
   The masked value is float32's min, not -inf, so even a fully masked row softmaxes to finite numbers."""

@@ -15,6 +15,7 @@ from tg_ds4.mla import MLA
 from tg_ds4.moe import FFN, MoE
 from tg_ds4.rope import rope_table
 
+
 class Block:
   def __init__(self, cfg: ModelConfig, i: int, gf: GGUFFile):
     has = lambda name: f"blk.{i}.{name}" in gf

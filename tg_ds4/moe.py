@@ -10,7 +10,8 @@ from tinygrad import Tensor, dtypes
 
 from tg_ds4.config import Gating, ModelConfig
 from tg_ds4.layers import Linear, Param, Params
-from tg_ds4.quant import linear
+from tg_ds4.quant import as_tensor, linear
+
 
 def topk_ids(x: Tensor, k: int) -> Tensor:
   """Indices `[..., k]` of the k largest values along the last axis, largest first; ties go to the lower index."""
@@ -48,7 +49,7 @@ class MoE:
     cfg, logits = self.cfg, self.ffn_gate_inp(x)
     probs = {Gating.SOFTMAX: lambda: logits.softmax(-1), Gating.SIGMOID: lambda: logits.sigmoid(), Gating.SOFTMAX_WEIGHT: lambda: logits,
              Gating.SQRT_SOFTPLUS: lambda: logits.softplus().sqrt()}[cfg.gating]()
-    sel = probs + self.exp_probs_b.bias.dequant() if hasattr(self, "exp_probs_b") else probs
+    sel = probs + as_tensor(self.exp_probs_b.bias) if hasattr(self, "exp_probs_b") else probs
     if cfg.n_expert_group > 1:
       G = cfg.n_expert_group
       grouped = sel.reshape(*sel.shape[:-1], G, cfg.n_expert // G)

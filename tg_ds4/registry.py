@@ -5,7 +5,13 @@ listed wheel. Every wheel is checked against the index's sha256, the assembled G
 """
 from __future__ import annotations
 
-import hashlib, json, os, pathlib, tomllib, urllib.request, zipfile
+import hashlib
+import json
+import os
+import pathlib
+import tomllib
+import urllib.request
+import zipfile
 from dataclasses import dataclass
 
 INDEX = os.environ.get("TG_DS4_INDEX", "https://pypi.org/simple")

@@ -8,6 +8,7 @@ from tinygrad import Tensor, UOp
 
 from tg_ds4.config import RopeConfig, RopeType
 
+
 def rope_table(rc: RopeConfig, max_ctx: int, device: str | None = None) -> Tensor:
   """cos/sin for every position: float32 `[max_ctx, dim/2, 2]`, computed once on the host like ggml's rope cache."""
   n_dims, half = rc.dim, rc.dim // 2

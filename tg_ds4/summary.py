@@ -6,6 +6,7 @@ from typing import Any
 
 from tg_ds4.gguf import GGUFFile
 
+
 def _human(n: float, unit: str = "B") -> str:
   for prefix in ("", "K", "M", "G", "T"):
     if abs(n) < 1000 or prefix == "T": return f"{n:.0f} {unit}" if not prefix else f"{n:.2f} {prefix}{unit}"
