@@ -71,13 +71,15 @@ def write_tiny_deepseek2(path: str | pathlib.Path, drop: str | None = None, resh
   for i in range(L):
     p = f"blk.{i}."
     T(p + "attn_norm.weight", 1 + 0.1 * W(D)); T(p + "ffn_norm.weight", 1 + 0.1 * W(D))
-    T(p + "attn_q_a.weight", W(QL, D), G.Q8_0); T(p + "attn_q_a_norm.weight", 1 + 0.1 * W(QL)); T(p + "attn_q_b.weight", W(H * (NOPE + R), QL), G.Q8_0)
+    T(p + "attn_q_a.weight", W(QL, D), G.Q8_0); T(p + "attn_q_a_norm.weight", 1 + 0.1 * W(QL))
+    T(p + "attn_q_b.weight", W(H * (NOPE + R), QL), G.Q8_0)
     T(p + "attn_kv_a_mqa.weight", W(KL + R, D), G.Q8_0); T(p + "attn_kv_a_norm.weight", 1 + 0.1 * W(KL))
     T(p + "attn_k_b.weight", W(H, KL, NOPE)); T(p + "attn_v_b.weight", W(H, VH, KL)); T(p + "attn_output.weight", W(D, H * VH), G.Q4_0)
     if i == 0:
       T(p + "ffn_gate.weight", W(FF, D), G.Q8_0); T(p + "ffn_up.weight", W(FF, D), G.Q8_0); T(p + "ffn_down.weight", W(D, FF), G.Q8_0)
     else:
       T(p + "ffn_gate_inp.weight", W(E, D)); T(p + "exp_probs_b.bias", 0.1 * W(E))
-      T(p + "ffn_gate_exps.weight", W(E, F, D), G.Q4_0); T(p + "ffn_up_exps.weight", W(E, F, D), G.Q4_0); T(p + "ffn_down_exps.weight", W(E, D, F), G.Q4_0)
+      T(p + "ffn_gate_exps.weight", W(E, F, D), G.Q4_0); T(p + "ffn_up_exps.weight", W(E, F, D), G.Q4_0)
+      T(p + "ffn_down_exps.weight", W(E, D, F), G.Q4_0)
       T(p + "ffn_gate_shexp.weight", W(F, D), G.Q8_0); T(p + "ffn_up_shexp.weight", W(F, D), G.Q8_0); T(p + "ffn_down_shexp.weight", W(D, F), G.Q8_0)
   w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()

@@ -60,7 +60,8 @@ def test_expert_ffn_matches_numpy():
   moe = MoE(cfg)
   moe.ffn_gate_inp.weight, moe.ffn_gate_exps.weight, moe.ffn_up_exps.weight = Tensor(ws["inp"]), Tensor(ws["gate"]), Tensor(ws["up"])
   moe.ffn_down_exps.weight = Tensor(ws["down"])
-  moe.shexp.ffn_gate_shexp.weight, moe.shexp.ffn_up_shexp.weight, moe.shexp.ffn_down_shexp.weight = Tensor(ws["sg"]), Tensor(ws["su"]), Tensor(ws["sd"])
+  sh = moe.shexp
+  sh.ffn_gate_shexp.weight, sh.ffn_up_shexp.weight, sh.ffn_down_shexp.weight = Tensor(ws["sg"]), Tensor(ws["su"]), Tensor(ws["sd"])
   x = rng.standard_normal((1, 3, D)).astype(np.float32)
   ids, w = _ref_route(x @ ws["inp"].T, None, cfg)
   silu = lambda z: z / (1 + np.exp(-z))

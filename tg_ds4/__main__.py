@@ -41,7 +41,8 @@ def cmd_logits(args) -> int:
   except ValueError: raise UsageError(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
   if not tokens: raise UsageError("--tokens is empty")
   model = Transformer.from_gguf(resolve(args.model), max_ctx=args.max_context or len(tokens))
-  if bad := [t for t in tokens if not 0 <= t < model.cfg.n_vocab]: raise UsageError(f"token ids {bad[:5]} are outside the vocabulary [0, {model.cfg.n_vocab})")
+  if bad := [t for t in tokens if not 0 <= t < model.cfg.n_vocab]:
+    raise UsageError(f"token ids {bad[:5]} are outside the vocabulary [0, {model.cfg.n_vocab})")
   if args.mode == "prefill": logits = model.prefill(tokens, chunk=len(tokens)).numpy()[0]
   else: logits = np.stack([model.decode(Tensor([[t]], dtype=dtypes.int32), i).numpy()[0, 0] for i, t in enumerate(tokens)])
   logits = logits.astype(np.float32)

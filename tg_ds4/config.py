@@ -88,7 +88,8 @@ class ModelConfig:
     n_kv_head = key("attention.head_count_kv", n_head)
     if isinstance(n_kv_head, list): raise GGUFError(f"{gf.path}: per-layer {arch}.attention.head_count_kv is not supported")
     tokens = gf.get("tokenizer.ggml.tokens")
-    n_vocab = key("vocab_size") or (len(tokens) if tokens else None) or (gf.infos["token_embd.weight"].shape[0] if "token_embd.weight" in gf else None)
+    n_vocab = key("vocab_size") or (len(tokens) if tokens else None) or \
+      (gf.infos["token_embd.weight"].shape[0] if "token_embd.weight" in gf else None)
     if not n_vocab: raise GGUFError(f"{gf.path}: cannot tell the vocabulary size (no {arch}.vocab_size, tokenizer.ggml.tokens or token_embd.weight)")
     kv_lora = int(key("attention.kv_lora_rank", 0))
     head_dim = int(key("attention.key_length_mla", 0) or key("attention.key_length", 0) or dim // n_head)

@@ -170,7 +170,8 @@ def _tensor_info(path: pathlib.Path, f, data_start: int, size: int) -> TensorInf
 def _split_paths(path: pathlib.Path, metadata: dict) -> list[pathlib.Path]:
   count = int(metadata.get("split.count", 1) or 1)
   if count <= 1: return [path]
-  if metadata.get("split.no", 0) != 0: raise GGUFError(f"{path}: is split {metadata['split.no']} of {count}; open the first split (-00001-of-{count:05d})")
+  if metadata.get("split.no", 0) != 0:
+    raise GGUFError(f"{path}: is split {metadata['split.no']} of {count}; open the first split (-00001-of-{count:05d})")
   if not (m := SPLIT_RE.match(str(path))): raise GGUFError(f"{path}: split.count={count} but the name does not end in -00001-of-{count:05d}.gguf")
   paths = [pathlib.Path(f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
   if missing := [str(p) for p in paths if not p.exists()]: raise GGUFError(f"{path}: missing split files: {', '.join(missing)}")

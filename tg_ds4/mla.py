@@ -46,7 +46,7 @@ class MLA:
 
   def __call__(self, x: Tensor, start_pos: int | UOp, rope: Tensor) -> Tensor:
     cfg, (B, T, _) = self.cfg, x.shape
-    H, L, R, nope = cfg.n_head, cfg.kv_lora_rank, cfg.rope.dim, cfg.qk_nope
+    H, L, nope = cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope
     q = self.attn_q_b(self.attn_q_a_norm(self.attn_q_a(x))) if cfg.q_lora_rank else self.attn_q(x)
     q = q.reshape(B, T, H, cfg.head_dim)
     q_pe = apply_rope(q[..., nope:], rope, start_pos, cfg.rope.type)

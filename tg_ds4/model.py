@@ -84,7 +84,8 @@ def _split_kv_b(attn: MLA, gf: GGUFFile, i: int, device: str) -> None:
   name, cfg = f"blk.{i}.attn_kv_b.weight", attn.cfg
   if name not in gf: raise GGUFError(f"{gf.path}: missing tensor 'blk.{i}.attn_k_b.weight' (and no legacy {name!r} to split)")
   H, nope, v, L = cfg.n_head, cfg.qk_nope, cfg.v_head_dim, cfg.kv_lora_rank
-  if (got := gf.infos[name].shape) != (H * (nope + v), L): raise GGUFError(f"{gf.path}: tensor {name!r} has shape {list(got)}, expected {[H * (nope + v), L]}")
+  if (got := gf.infos[name].shape) != (H * (nope + v), L):
+    raise GGUFError(f"{gf.path}: tensor {name!r} has shape {list(got)}, expected {[H * (nope + v), L]}")
   w = gf.tensor(name, device).dequant(dtypes.float32).reshape(H, nope + v, L)
   attn.attn_k_b.weight = w[:, :nope].transpose(1, 2).contiguous().realize()
   attn.attn_v_b.weight = w[:, nope:].contiguous().realize()
