@@ -45,10 +45,11 @@ def stored_values(x: np.ndarray, qt: G) -> np.ndarray:
   return gguf.quants.dequantize(gguf.quants.quantize(x, qt), qt).astype(np.float32).reshape(x.shape)
 
 def write_tiny_deepseek2(path: str | pathlib.Path, drop: str | None = None, reshape: tuple[str, tuple[int, ...]] | None = None,
-                         arch: str = "deepseek2", seed: int = 0) -> None:
+                         arch: str = "deepseek2", seed: int = 0, legacy_kv_b: bool = False) -> None:
   """A 3-block DeepSeek-V3-shaped GGUF (1 dense + 2 MoE blocks, q_lora, sigmoid gating with bias) with random weights,
   for structural tests (shapes, errors, JIT, kernel counts). `drop` leaves a tensor out; `reshape` writes one with a
-  wrong shape. Numerical correctness is checked against transformers/llama.cpp fixtures instead."""
+  wrong shape; `legacy_kv_b` stores the old combined `attn_kv_b` (and old key lengths) instead of k_b/v_b, same
+  weights. Numerical correctness is checked against transformers/llama.cpp fixtures instead."""
   rng = np.random.default_rng(seed)
   W = lambda *s: (rng.standard_normal(s) / np.sqrt(s[-1])).astype(np.float32)
   V, D, L, H, QL, KL, NOPE, R, VH, E, F, FF = 128, 64, 3, 4, 32, 32, 16, 8, 16, 8, 32, 96
@@ -57,8 +58,9 @@ def write_tiny_deepseek2(path: str | pathlib.Path, drop: str | None = None, resh
                    expert_used_count=2, expert_shared_count=1, leading_dense_block_count=1, expert_gating_func=2).items():
     w.add_uint32(f"{arch}.{k}", v)
   w.add_float32(f"{arch}.expert_weights_scale", 1.5); w.add_bool(f"{arch}.expert_weights_norm", True)
-  for k, v in dict(head_count=H, head_count_kv=1, q_lora_rank=QL, kv_lora_rank=KL, key_length=KL + R, value_length=KL, key_length_mla=NOPE + R,
-                   value_length_mla=VH).items():
+  lengths = dict(key_length=NOPE + R, value_length=VH) if legacy_kv_b else dict(key_length=KL + R, value_length=KL, key_length_mla=NOPE + R,
+                                                                                 value_length_mla=VH)
+  for k, v in dict(head_count=H, head_count_kv=1, q_lora_rank=QL, kv_lora_rank=KL, **lengths).items():
     w.add_uint32(f"{arch}.attention.{k}", v)
   w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6); w.add_uint32(f"{arch}.rope.dimension_count", R)
   w.add_float32(f"{arch}.rope.freq_base", 1e4)
@@ -74,7 +76,10 @@ def write_tiny_deepseek2(path: str | pathlib.Path, drop: str | None = None, resh
     T(p + "attn_q_a.weight", W(QL, D), G.Q8_0); T(p + "attn_q_a_norm.weight", 1 + 0.1 * W(QL))
     T(p + "attn_q_b.weight", W(H * (NOPE + R), QL), G.Q8_0)
     T(p + "attn_kv_a_mqa.weight", W(KL + R, D), G.Q8_0); T(p + "attn_kv_a_norm.weight", 1 + 0.1 * W(KL))
-    T(p + "attn_k_b.weight", W(H, KL, NOPE)); T(p + "attn_v_b.weight", W(H, VH, KL)); T(p + "attn_output.weight", W(D, H * VH), G.Q4_0)
+    k_b, v_b = W(H, KL, NOPE), W(H, VH, KL)
+    if legacy_kv_b: T(p + "attn_kv_b.weight", np.concatenate([k_b.transpose(0, 2, 1), v_b], 1).reshape(H * (NOPE + VH), KL))
+    else: T(p + "attn_k_b.weight", k_b); T(p + "attn_v_b.weight", v_b)
+    T(p + "attn_output.weight", W(D, H * VH), G.Q4_0)
     if i == 0:
       T(p + "ffn_gate.weight", W(FF, D), G.Q8_0); T(p + "ffn_up.weight", W(FF, D), G.Q8_0); T(p + "ffn_down.weight", W(D, FF), G.Q8_0)
     else:

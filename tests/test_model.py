@@ -52,3 +52,9 @@ def test_prefill_continues_at_any_start(tiny):
   m.prefill(TOKENS[:6], chunk=6)
   got = m.prefill(TOKENS[6:], start_pos=6, chunk=7).numpy()[0]
   assert np.abs(got - ref[6:]).max() <= 1e-4 * np.abs(ref).max()
+
+def test_legacy_combined_kv_b_is_split_at_load(tiny, tmp_path):
+  write_tiny_deepseek2(p := tmp_path / "legacy.gguf", legacy_kv_b=True)
+  ref = Transformer.from_gguf(tiny, max_ctx=32).prefill(TOKENS, chunk=len(TOKENS)).numpy()[0]
+  got = Transformer.from_gguf(p, max_ctx=32).prefill(TOKENS, chunk=len(TOKENS)).numpy()[0]
+  assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
