@@ -4,7 +4,6 @@ import pathlib, struct, subprocess, sys
 import numpy as np
 import pytest
 from ggufgen import stored_values, write_tiny
-from gguf import GGMLQuantizationType as G
 from gguf import GGUFReader
 from tinygrad import dtypes
 
