@@ -9,7 +9,7 @@ from tinygrad import Tensor, UOp, dtypes
 
 from tg_ds4.config import ModelConfig
 from tg_ds4.layers import Linear, Param, Params, RMSNorm
-from tg_ds4.quant import as_tensor
+from tg_ds4.quant import linear
 from tg_ds4.rope import apply_rope
 
 
@@ -51,7 +51,7 @@ class MLA:
     q = q.reshape(B, T, H, cfg.head_dim)
     q_pe = apply_rope(q[..., nope:], rope, start_pos, cfg.rope.type)
     # absorb k_b into the query: [B,H,T,nope] @ [H,nope,L] -> [B,H,T,L]
-    q_lat = q[..., :nope].transpose(1, 2) @ as_tensor(self.attn_k_b.weight).transpose(-1, -2)
+    q_lat = linear(q[..., :nope].transpose(1, 2), self.attn_k_b.weight)
     q = q_lat.cat(q_pe.transpose(1, 2), dim=-1)                                         # [B,H,T,L+R]
 
     kv = self.attn_kv_a_mqa(x)
@@ -61,5 +61,5 @@ class MLA:
     scores = (q @ k.transpose(-1, -2)) * cfg.kq_scale                                  # [B,H,T,S]
     if (mask := causal_mask(T, start_pos)) is not None: scores = scores + mask
     o = scores.softmax(-1) @ k[..., :L]                                                 # V = latent part of K
-    o = o @ as_tensor(self.attn_v_b.weight).transpose(-1, -2)                           # [B,H,T,v_head]
+    o = linear(o, self.attn_v_b.weight)                                                 # [B,H,T,v_head]
     return self.attn_output(o.transpose(1, 2).reshape(B, T, H * cfg.v_head_dim))

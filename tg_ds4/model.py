@@ -7,6 +7,7 @@ import pathlib
 
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 
+from tg_ds4 import actquant
 from tg_ds4.attention import GQA
 from tg_ds4.config import ModelConfig
 from tg_ds4.gguf import GGUFError, GGUFFile
@@ -39,7 +40,10 @@ class Transformer:
     self.output = Linear(cfg.dim, cfg.n_vocab)
 
   @staticmethod
-  def from_gguf(path: str | pathlib.Path | GGUFFile, max_ctx: int | None = None, device: str | None = None) -> Transformer:
+  def from_gguf(path: str | pathlib.Path | GGUFFile, max_ctx: int | None = None, device: str | None = None,
+                llama_cpp_activations: bool = False) -> Transformer:
+    """Load a model. `llama_cpp_activations` rounds quantized-matmul inputs as llama.cpp's CPU backend does (see
+    actquant.py): for token-exact comparisons with llama.cpp; the default is exact float math."""
     gf = path if isinstance(path, GGUFFile) else GGUFFile(path)
     cfg = ModelConfig.from_gguf(gf)
     device = device or Device.DEFAULT
@@ -48,7 +52,7 @@ class Transformer:
     for i, b in enumerate(model.blk):
       if cfg.mla and f"blk.{i}.attn_k_b.weight" not in gf: _split_kv_b(b.attn, gf, i, device)
     load_weights(model, gf, device, rename)
-    model.max_ctx = min(max_ctx or cfg.ctx_len, cfg.ctx_len)
+    model.max_ctx, model.llama_cpp_activations = min(max_ctx or cfg.ctx_len, cfg.ctx_len), llama_cpp_activations
     model.rope = rope_table(cfg.rope, model.max_ctx, device)
     for b in model.blk: b.attn.init_cache(model.max_ctx, device)
     model.decode_jit = TinyJit(model._decode)
@@ -56,10 +60,11 @@ class Transformer:
 
   def forward(self, tokens: Tensor, start_pos: int | UOp, last_only: bool = False) -> Tensor:
     """tokens `[1, T]` int32 at positions start_pos.. -> logits `[1, T, vocab]` (or `[1, 1, vocab]` with last_only)."""
-    x = self.token_embd(tokens)
-    for b in self.blk: x = b(x, start_pos, self.rope)
-    if last_only: x = x[:, -1:]
-    return self.output(self.output_norm(x))
+    with actquant.llama_cpp_activations(self.llama_cpp_activations):
+      x = self.token_embd(tokens)
+      for b in self.blk: x = b(x, start_pos, self.rope)
+      if last_only: x = x[:, -1:]
+      return self.output(self.output_norm(x))
 
   def _decode(self, token: Tensor, start_pos: UOp) -> Tensor: return self.forward(token, start_pos).realize()
 
