@@ -50,6 +50,85 @@ def cmd_logits(args) -> int:
   print(f"logits {list(logits.shape)} ({args.mode}) argmax {logits.argmax(-1).tolist()}" + (f" -> {args.out}" if args.out else ""))
   return 0
 
+def _load(args):
+  from tg_ds4.gguf import GGUFFile
+  from tg_ds4.model import Transformer
+  from tg_ds4.registry import resolve
+  from tg_ds4.tokenizer import Tokenizer
+  gf = GGUFFile(resolve(args.model))
+  model = Transformer.from_gguf(gf, max_ctx=args.max_context or None)
+  return gf, model, Tokenizer.from_gguf(gf)
+
+def _sampling(args):
+  from tg_ds4.sampling import SamplingParams
+  try: return SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
+  except ValueError as e: raise UsageError(str(e)) from None
+
+def _stream(engine, tok, ids, args, sp, out=sys.stdout) -> list[int]:
+  from tg_ds4.tokenizer import StreamDecoder
+  dec, got = StreamDecoder(tok), []
+  for t in engine.generate(ids, args.n_predict, sp, stop=set(tok.stop_ids)):
+    got.append(t)
+    if t in tok.stop_ids: break
+    out.write(dec.feed(t)); out.flush()
+  out.write(dec.flush()); out.flush()
+  return got
+
+def cmd_generate(args) -> int:
+  from tg_ds4.chat import Template
+  from tg_ds4.engine import Engine
+  if not args.prompt: raise UsageError("the prompt is empty (-p TEXT)")
+  sp = _sampling(args)
+  gf, model, tok = _load(args)
+  text = Template.from_gguf(gf).render([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+  ids = tok.encode(text, add_special=True, parse_special=args.chat)
+  if len(ids) >= model.max_ctx: raise UsageError(f"the prompt is {len(ids)} tokens; the context holds {model.max_ctx} (--max-context)")
+  engine = Engine(model)
+  _stream(engine, tok, ids, args, sp)
+  st = engine.stats
+  print(f"\n[prefill {st.prompt_tokens} tokens at {st.prefill_tps:.1f} tok/s, decode {st.generated} tokens at {st.decode_tps:.2f} tok/s]",
+        file=sys.stderr)
+  return 0
+
+def cmd_tokenize(args) -> int:
+  from tg_ds4.gguf import GGUFFile
+  from tg_ds4.registry import resolve
+  from tg_ds4.tokenizer import Tokenizer
+  tok = Tokenizer.from_gguf(GGUFFile(resolve(args.model)))
+  print(json.dumps(tok.encode(args.text, add_special=not args.no_bos, parse_special=args.special)))
+  return 0
+
+def cmd_chat(args) -> int:
+  from tg_ds4.chat import Template
+  from tg_ds4.engine import Engine
+  sp = _sampling(args)
+  gf, model, tok = _load(args)
+  template, engine, messages, cached = Template.from_gguf(gf), Engine(model), [], []
+  print(f"chat with {gf.get('general.name') or gf.path.name} (Ctrl-C stops a reply, Ctrl-D quits)", file=sys.stderr)
+  while True:
+    try: line = input("> ")
+    except EOFError: print(file=sys.stderr); return 0
+    except KeyboardInterrupt: print(file=sys.stderr); continue
+    if not line.strip(): continue
+    messages.append({"role": "user", "content": line})
+    ids = tok.encode(template.render(messages), add_special=True, parse_special=True)
+    if len(ids) >= model.max_ctx:
+      print(f"the conversation is {len(ids)} tokens, over the context of {model.max_ctx}; start a new chat", file=sys.stderr)
+      return 0
+    start = next((i for i, (a, b) in enumerate(zip(ids, cached)) if a != b), min(len(ids), len(cached)))  # reuse the cached prefix
+    reply: list[int] = []
+    from tg_ds4.tokenizer import StreamDecoder
+    dec = StreamDecoder(tok)
+    try:
+      for t in engine.generate(ids, args.n_predict, sp, stop=set(tok.stop_ids), start_pos=min(start, len(ids) - 1)):
+        if t in tok.stop_ids: break
+        reply.append(t); sys.stdout.write(dec.feed(t)); sys.stdout.flush()
+      sys.stdout.write(dec.flush())
+    except KeyboardInterrupt: pass
+    print()
+    messages.append({"role": "assistant", "content": tok.decode(reply)})
+    cached = (ids + reply)[:-1]  # the last token may not have been run through the model yet
+
 def cmd_models(args) -> int:
   from tg_ds4.registry import registry
   for name, e in registry().items(): print(f"{name:<20} {'cached' if e.path.exists() else 'not cached':<11} {e.description}")
@@ -71,6 +150,30 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--out", metavar="F.npy", help="write the logits here")
   s.add_argument("--max-context", type=int, default=0, help="KV cache length (default: the number of tokens)")
   s.set_defaults(fn=cmd_logits)
+  def sampling_args(s):
+    s.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-k", type=int, default=0, help="0 = off")
+    s.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    s.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    s.add_argument("--seed", type=int, default=None, help="same seed, same text")
+    s.add_argument("--max-context", type=int, default=4096, help="KV cache length (default 4096, capped at the model's)")
+  s = sub.add_parser("generate", help="continue a prompt, streaming only the generated text to stdout")
+  s.add_argument("-m", "--model", default="smollm2", help="path to a .gguf file or a short model name (default smollm2)")
+  s.add_argument("-p", "--prompt", required=True, help="the prompt text")
+  s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user message")
+  sampling_args(s)
+  s.set_defaults(fn=cmd_generate)
+  s = sub.add_parser("chat", help="interactive multi-turn chat using the model's template")
+  s.add_argument("-m", "--model", default="smollm2", help="path to a .gguf file or a short model name (default smollm2)")
+  sampling_args(s)
+  s.set_defaults(fn=cmd_chat)
+  s = sub.add_parser("tokenize", help="print the token ids of TEXT as JSON")
+  s.add_argument("-m", "--model", required=True, help="path to a .gguf file or a short model name")
+  s.add_argument("text")
+  s.add_argument("--special", action="store_true", help="parse special-token texts (e.g. <|im_start|>) into their ids")
+  s.add_argument("--no-bos", action="store_true", help="do not add the BOS/EOS tokens the model asks for")
+  s.set_defaults(fn=cmd_tokenize)
   s = sub.add_parser("models", help="list the short model names")
   s.set_defaults(fn=cmd_models)
   return p
