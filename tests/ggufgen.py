@@ -45,11 +45,13 @@ def stored_values(x: np.ndarray, qt: G) -> np.ndarray:
   return gguf.quants.dequantize(gguf.quants.quantize(x, qt), qt).astype(np.float32).reshape(x.shape)
 
 def write_tiny_deepseek2(path: str | pathlib.Path, drop: str | None = None, reshape: tuple[str, tuple[int, ...]] | None = None,
-                         arch: str = "deepseek2", seed: int = 0, legacy_kv_b: bool = False) -> None:
+                         arch: str = "deepseek2", seed: int = 0, legacy_kv_b: bool = False,
+                         fused_gate_up: bool = False) -> None:
   """A 3-block DeepSeek-V3-shaped GGUF (1 dense + 2 MoE blocks, q_lora, sigmoid gating with bias) with random weights,
   for structural tests (shapes, errors, JIT, kernel counts). `drop` leaves a tensor out; `reshape` writes one with a
   wrong shape; `legacy_kv_b` stores the old combined `attn_kv_b` (and old key lengths) instead of k_b/v_b, same
-  weights. Numerical correctness is checked against transformers/llama.cpp fixtures instead."""
+  weights; `fused_gate_up` stores experts as one `ffn_gate_up_exps` (gate rows first), same weights.
+  Numerical correctness is checked against transformers/llama.cpp fixtures instead."""
   rng = np.random.default_rng(seed)
   W = lambda *s: (rng.standard_normal(s) / np.sqrt(s[-1])).astype(np.float32)
   V, D, L, H, QL, KL, NOPE, R, VH, E, F, FF = 128, 64, 3, 4, 32, 32, 16, 8, 16, 8, 32, 96
@@ -84,7 +86,9 @@ def write_tiny_deepseek2(path: str | pathlib.Path, drop: str | None = None, resh
       T(p + "ffn_gate.weight", W(FF, D), G.Q8_0); T(p + "ffn_up.weight", W(FF, D), G.Q8_0); T(p + "ffn_down.weight", W(D, FF), G.Q8_0)
     else:
       T(p + "ffn_gate_inp.weight", W(E, D)); T(p + "exp_probs_b.bias", 0.1 * W(E))
-      T(p + "ffn_gate_exps.weight", W(E, F, D), G.Q4_0); T(p + "ffn_up_exps.weight", W(E, F, D), G.Q4_0)
+      gate, up = W(E, F, D), W(E, F, D)
+      if fused_gate_up: T(p + "ffn_gate_up_exps.weight", np.concatenate([gate, up], 1), G.Q4_0)
+      else: T(p + "ffn_gate_exps.weight", gate, G.Q4_0); T(p + "ffn_up_exps.weight", up, G.Q4_0)
       T(p + "ffn_down_exps.weight", W(E, D, F), G.Q4_0)
       T(p + "ffn_gate_shexp.weight", W(F, D), G.Q8_0); T(p + "ffn_up_shexp.weight", W(F, D), G.Q8_0); T(p + "ffn_down_shexp.weight", W(D, F), G.Q8_0)
   w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()

@@ -58,3 +58,17 @@ def test_legacy_combined_kv_b_is_split_at_load(tiny, tmp_path):
   ref = Transformer.from_gguf(tiny, max_ctx=32).prefill(TOKENS, chunk=len(TOKENS)).numpy()[0]
   got = Transformer.from_gguf(p, max_ctx=32).prefill(TOKENS, chunk=len(TOKENS)).numpy()[0]
   assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+
+def test_fused_gate_up_experts_equal_split(tiny, tmp_path):
+  write_tiny_deepseek2(p := tmp_path / "fused.gguf", fused_gate_up=True)
+  ref = Transformer.from_gguf(tiny, max_ctx=32).prefill(TOKENS, chunk=len(TOKENS)).numpy()[0]
+  got = Transformer.from_gguf(p, max_ctx=32).prefill(TOKENS, chunk=len(TOKENS)).numpy()[0]
+  assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+
+def test_fully_masked_row_is_finite():
+  from tg_ds4.mla import causal_mask
+  scores = Tensor.zeros(1, 1, 3, 5) + causal_mask(3, 2)
+  masked = scores + Tensor([[[[0.0], [0.0], [-3.4e38]]]]).expand(1, 1, 3, 5)  # last row: every key masked
+  probs = masked.softmax(-1).numpy()
+  assert np.isfinite(probs).all() and np.allclose(probs.sum(-1), 1.0)
+  np.testing.assert_array_equal(causal_mask(3, 2).numpy() == 0, np.tril(np.ones((3, 5), bool), 2))
