@@ -1,18 +1,20 @@
-"""Grouped-query attention for the dense families (llama, qwen2/3): a K/V cache per layer, RoPE, optional biases."""
+"""Grouped-query attention for the dense families (llama, qwen2/3, gemma3): a K/V cache per layer, RoPE, optional
+q/k/v biases (qwen2), per-head q/k RMS norms and a sliding window (gemma3)."""
 from __future__ import annotations
 
 from tinygrad import Tensor, UOp, dtypes
 
 from tg_ds4.config import ModelConfig
-from tg_ds4.layers import Linear
+from tg_ds4.layers import Linear, RMSNorm
 from tg_ds4.mla import causal_mask, write_cache
 from tg_ds4.rope import apply_rope
 
 
 class GQA:
   gguf_flat = True
-  def __init__(self, cfg: ModelConfig, bias: bool = False):
-    self.cfg, H, KV, D = cfg, cfg.n_head, cfg.n_kv_head, cfg.head_dim
+  def __init__(self, cfg: ModelConfig, bias: bool = False, qk_norm: bool = False, window: int = 0):
+    self.cfg, self.window, H, KV, D = cfg, window, cfg.n_head, cfg.n_kv_head, cfg.head_dim
+    if qk_norm: self.attn_q_norm, self.attn_k_norm = RMSNorm(D, cfg.norm_eps), RMSNorm(D, cfg.norm_eps)
     self.attn_q, self.attn_k, self.attn_v = Linear(cfg.dim, H * D, bias), Linear(cfg.dim, KV * D, bias), Linear(cfg.dim, KV * cfg.v_head_dim, bias)
     self.attn_output = Linear(H * cfg.v_head_dim, cfg.dim)
     self.cache: Tensor | None = None
@@ -26,12 +28,13 @@ class GQA:
     H, KV, D, R = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.rope.dim
     q = self.attn_q(x).reshape(B, T, H, D)
     k = self.attn_k(x).reshape(B, T, KV, D)
+    if hasattr(self, "attn_q_norm"): q, k = self.attn_q_norm(q), self.attn_k_norm(k)
     q = apply_rope(q[..., :R], rope, start_pos, cfg.rope.type).cat(q[..., R:], dim=-1) if R < D else apply_rope(q, rope, start_pos, cfg.rope.type)
     k = apply_rope(k[..., :R], rope, start_pos, cfg.rope.type).cat(k[..., R:], dim=-1) if R < D else apply_rope(k, rope, start_pos, cfg.rope.type)
     kv = write_cache(self.cache, k.cat(self.attn_v(x).reshape(B, T, KV, cfg.v_head_dim), dim=-1), start_pos)   # [B,S,KV,D+Dv]
     k, v = kv[..., :D].transpose(1, 2), kv[..., D:].transpose(1, 2)                                               # [B,KV,S,*]
     q = q.transpose(1, 2).reshape(B, KV, H // KV, T, D)                  # heads grouped by the KV head they share
     scores = (q @ k.unsqueeze(2).transpose(-1, -2)) * cfg.kq_scale       # [B,KV,G,T,S]
-    if (mask := causal_mask(T, start_pos)) is not None: scores = scores + mask
+    if (mask := causal_mask(T, start_pos, self.window)) is not None: scores = scores + mask
     o = (scores.softmax(-1) @ v.unsqueeze(2)).reshape(B, H, T, cfg.v_head_dim)
     return self.attn_output(o.transpose(1, 2).reshape(B, T, H * cfg.v_head_dim))

@@ -53,6 +53,13 @@ class ModelConfig:
   kq_scale: float
   # dense FFN
   ff_dim: int = 0
+  ffn_act: str = "silu"       # gated activation: silu (SwiGLU) or gelu (tanh approximation, GeGLU: gemma)
+  # gemma-style extras
+  embed_scale: float = 1.0    # token embeddings are multiplied by this (gemma: sqrt(dim))
+  swa_window: int = 0         # sliding-window attention span for the layers in swa_layers (0 = none)
+  swa_layers: tuple[bool, ...] = ()
+  rope_base_swa: float = 0.0  # RoPE base of the sliding-window layers
+  logit_softcap: float = 0.0
   # MLA (kv_lora_rank > 0)
   q_lora_rank: int = 0
   kv_lora_rank: int = 0
@@ -73,6 +80,7 @@ class ModelConfig:
   @property
   def qk_nope(self) -> int: return self.head_dim - self.rope.dim
   def is_moe_layer(self, i: int) -> bool: return self.n_expert > 0 and i >= self.n_dense_lead
+  def is_swa_layer(self, i: int) -> bool: return bool(self.swa_window) and bool(self.swa_layers) and self.swa_layers[i]
 
   @staticmethod
   def from_gguf(gf: GGUFFile) -> ModelConfig:
@@ -114,6 +122,15 @@ class ModelConfig:
                       int(key("rope.scaling.original_context_length", ctx_len)), float(key("rope.scaling.yarn_beta_fast", 32.0)),
                       float(key("rope.scaling.yarn_beta_slow", 1.0)))
 
+    # sliding-window layers as llama.cpp's load_swa_pattern: an explicit per-layer array, or every n-th layer global
+    swa_window, swa_layers = int(key("attention.sliding_window", 0) or 0), ()
+    if swa_window and arch == "gemma3":
+      pat = key("attention.sliding_window_pattern", 6)
+      swa_layers = tuple(bool(v) for v in pat) if isinstance(pat, list) else tuple(pat == 0 or i % pat < pat - 1 for i in range(n_layer))
+    gemma = arch == "gemma3"
+    # gemma3 scales q by 1/sqrt(head_dim), except the 27B (62 layers): 1/sqrt(dim / n_head)
+    attn_scale = 1.0 / math.sqrt(dim / n_head if gemma and n_layer == 62 else head_dim)
+
     n_expert = int(key("expert_count", 0))
     gating = key("expert_gating_func", 0)
     if not gating:  # llama.cpp's default for GGUFs without the key: softmax, except GLM-4.7-Flash (sigmoid)
@@ -121,7 +138,9 @@ class ModelConfig:
     return ModelConfig(
       arch=arch, n_layer=n_layer, dim=dim, n_vocab=int(n_vocab), n_head=n_head, n_kv_head=int(n_kv_head), head_dim=head_dim,
       v_head_dim=v_head_dim, norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)), ctx_len=ctx_len, rope=rope,
-      kq_scale=kq_mscale * kq_mscale / math.sqrt(head_dim), ff_dim=int(key("feed_forward_length", 0)),
+      kq_scale=kq_mscale * kq_mscale * attn_scale, ff_dim=int(key("feed_forward_length", 0)), ffn_act="gelu" if gemma else "silu",
+      embed_scale=math.sqrt(dim) if gemma else 1.0, swa_window=swa_window if swa_layers else 0, swa_layers=swa_layers,
+      rope_base_swa=float(key("rope.freq_base_swa", 10000.0)), logit_softcap=float(key("final_logit_softcapping", 0.0) or 0.0),
       q_lora_rank=int(key("attention.q_lora_rank", 0) or 0), kv_lora_rank=kv_lora,
       n_expert=n_expert, n_expert_used=int(key("expert_used_count", 0)), n_expert_shared=int(key("expert_shared_count", 0)),
       expert_ff_dim=int(key("expert_feed_forward_length", 0)), n_dense_lead=int(key("leading_dense_block_count", 0)),

@@ -13,11 +13,15 @@ from tg_ds4.quant import linear
 from tg_ds4.rope import apply_rope
 
 
-def causal_mask(T: int, start_pos: int | UOp) -> Tensor | None:
-  """Additive mask `[T, start_pos+T]` for a chunk at `start_pos` (None for one token: it sees the whole cache).
-  The masked value is float32's min, not -inf, so even a fully masked row softmaxes to finite numbers."""
-  if T == 1: return None
-  keep = Tensor.ones(T, start_pos + T, dtype=dtypes.bool).tril(start_pos)
+def causal_mask(T: int, start_pos: int | UOp, window: int = 0) -> Tensor | None:
+  """Additive mask `[T, start_pos+T]` for a chunk at `start_pos`: causal, and with `window` also limited to the last
+  `window` positions (llama.cpp's standard sliding window: query i sees key j iff 0 <= i - j < window). None when
+  nothing is masked (one token, no window). The masked value is float32's min, not -inf, so even a fully masked row
+  softmaxes to finite numbers."""
+  if T == 1 and not window: return None
+  ones = Tensor.ones(T, start_pos + T, dtype=dtypes.bool)
+  keep = ones.tril(start_pos)
+  if window: keep = keep & ~ones.tril(start_pos - window)
   return keep.where(0.0, -3.4028234663852886e38)  # float32 min
 
 def write_cache(cache: Tensor, new: Tensor, start_pos: int | UOp) -> Tensor:

@@ -3,7 +3,7 @@
 Module attributes carry GGUF tensor names, so `load_weights` fills them with packed tensors straight from the file."""
 from __future__ import annotations
 
-import pathlib
+import dataclasses, pathlib
 
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 
@@ -20,16 +20,22 @@ from tg_ds4.rope import rope_table
 class Block:
   def __init__(self, cfg: ModelConfig, i: int, gf: GGUFFile):
     has = lambda name: f"blk.{i}.{name}" in gf
+    self.swa = cfg.is_swa_layer(i)
     self.attn_norm, self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps), RMSNorm(cfg.dim, cfg.norm_eps)
-    self.attn = MLA(cfg) if cfg.mla else GQA(cfg, bias=has("attn_q.bias"))
+    if has("post_attention_norm.weight"):  # gemma's sandwich norms: the sublayer outputs are normed before the residual add
+      self.post_attention_norm, self.post_ffw_norm = RMSNorm(cfg.dim, cfg.norm_eps), RMSNorm(cfg.dim, cfg.norm_eps)
+    self.attn = MLA(cfg) if cfg.mla else GQA(cfg, bias=has("attn_q.bias"), qk_norm=has("attn_q_norm.weight"), window=cfg.swa_window * self.swa)
     if cfg.is_moe_layer(i): self.ffn = MoE(cfg, fused_gate_up=has("ffn_gate_up_exps.weight"), has_bias=has("exp_probs_b.bias"))
-    else: self.ffn = FFN(cfg.dim, cfg.ff_dim)
+    else: self.ffn = FFN(cfg.dim, cfg.ff_dim, act=cfg.ffn_act)
 
   def __call__(self, x: Tensor, start_pos: int | UOp, rope: Tensor) -> Tensor:
-    h = x + self.attn(self.attn_norm(x), start_pos, rope)
+    post = hasattr(self, "post_attention_norm")
+    a = self.attn(self.attn_norm(x), start_pos, rope)
+    h = x + (self.post_attention_norm(a) if post else a)
+    f = self.ffn(self.ffn_norm(h))
     # contiguous: one barrier per block keeps the residual stream materialised, so the scheduler partitions the graph
     # block by block instead of fusing across blocks (which explodes kernel count and recomputes norms)
-    return (h + self.ffn(self.ffn_norm(h))).contiguous()
+    return (h + (self.post_ffw_norm(f) if post else f)).contiguous()
 
 class Transformer:
   def __init__(self, cfg: ModelConfig, gf: GGUFFile):
@@ -54,6 +60,7 @@ class Transformer:
     load_weights(model, gf, device, rename)
     model.max_ctx, model.llama_cpp_activations = min(max_ctx or cfg.ctx_len, cfg.ctx_len), llama_cpp_activations
     model.rope = rope_table(cfg.rope, model.max_ctx, device)
+    model.rope_swa = rope_table(dataclasses.replace(cfg.rope, base=cfg.rope_base_swa), model.max_ctx, device) if cfg.swa_layers else None
     for b in model.blk: b.attn.init_cache(model.max_ctx, device)
     model.decode_jit = TinyJit(model._decode)
     return model
@@ -62,9 +69,11 @@ class Transformer:
     """tokens `[1, T]` int32 at positions start_pos.. -> logits `[1, T, vocab]` (or `[1, 1, vocab]` with last_only)."""
     with actquant.llama_cpp_activations(self.llama_cpp_activations):
       x = self.token_embd(tokens)
-      for b in self.blk: x = b(x, start_pos, self.rope)
+      if self.cfg.embed_scale != 1.0: x = x * self.cfg.embed_scale
+      for b in self.blk: x = b(x, start_pos, self.rope_swa if b.swa else self.rope)
       if last_only: x = x[:, -1:]
-      return self.output(self.output_norm(x))
+      logits = self.output(self.output_norm(x))
+      return (logits / (c := self.cfg.logit_softcap)).tanh() * c if self.cfg.logit_softcap else logits
 
   def _decode(self, token: Tensor, start_pos: UOp) -> Tensor: return self.forward(token, start_pos).realize()
 

@@ -23,14 +23,15 @@ def topk_ids(x: Tensor, k: int) -> Tensor:
   return (onehot.where(Tensor.arange(n), 0)).sum(-1).cast(dtypes.int32)
 
 class FFN:
-  """SwiGLU: down(silu(gate(x)) * up(x)). Also the shared expert (`*_shexp`)."""
+  """SwiGLU: down(silu(gate(x)) * up(x)) (GeGLU with gelu-tanh for gemma). Also the shared expert (`*_shexp`)."""
   gguf_flat = True
-  def __init__(self, dim: int, hidden: int, suffix: str = ""):
-    self.suffix = suffix
+  def __init__(self, dim: int, hidden: int, suffix: str = "", act: str = "silu"):
+    self.suffix, self.act = suffix, act
     for n, (i, o) in {"gate": (dim, hidden), "up": (dim, hidden), "down": (hidden, dim)}.items(): setattr(self, f"ffn_{n}{suffix}", Linear(i, o))
   def __call__(self, x: Tensor) -> Tensor:
     s = self.suffix
-    return getattr(self, f"ffn_down{s}")(getattr(self, f"ffn_gate{s}")(x).silu() * getattr(self, f"ffn_up{s}")(x))
+    g = getattr(self, f"ffn_gate{s}")(x)
+    return getattr(self, f"ffn_down{s}")((g.gelu() if self.act == "gelu" else g.silu()) * getattr(self, f"ffn_up{s}")(x))
 
 class MoE:
   gguf_flat = True
