@@ -26,7 +26,6 @@ class Stats:
 @dataclass
 class Engine:
   model: Transformer
-  chunk: int = 64
   stats: Stats = field(default_factory=Stats)
 
   def __post_init__(self):
@@ -47,7 +46,7 @@ class Engine:
     sp = params.tensors()
     self.stats = st = Stats(prompt_tokens=n - start_pos)
     t0 = time.perf_counter()
-    logits = m.prefill(prompt[start_pos:], start_pos=start_pos, chunk=self.chunk, last_only=True)[:, -1]
+    logits = m.prefill_last(prompt[start_pos:], start_pos=start_pos)[:, -1]
     tok = (greedy(logits) if params.greedy else sample(logits, *sp, rng(0))).realize()
     st.prefill_s = st.first_token_s = time.perf_counter() - t0
     t1 = time.perf_counter()

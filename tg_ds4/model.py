@@ -38,6 +38,8 @@ class Block:
     return (h + (self.post_ffw_norm(f) if post else f)).contiguous()
 
 class Transformer:
+  PREFILL_CHUNK = 32  # tokens per JIT-captured prefill step (the last chunk is padded to it)
+
   def __init__(self, cfg: ModelConfig, gf: GGUFFile):
     self.cfg = cfg
     self.token_embd = Embedding(cfg.n_vocab, cfg.dim)
@@ -59,19 +61,23 @@ class Transformer:
       if cfg.mla and f"blk.{i}.attn_k_b.weight" not in gf: _split_kv_b(b.attn, gf, i, device)
     load_weights(model, gf, device, rename)
     model.max_ctx, model.llama_cpp_activations = min(max_ctx or cfg.ctx_len, cfg.ctx_len), llama_cpp_activations
-    model.rope = rope_table(cfg.rope, model.max_ctx, device)
-    model.rope_swa = rope_table(dataclasses.replace(cfg.rope, base=cfg.rope_base_swa), model.max_ctx, device) if cfg.swa_layers else None
-    for b in model.blk: b.attn.init_cache(model.max_ctx, device)
+    rows = model.max_ctx + Transformer.PREFILL_CHUNK  # slack for the padded tail of the last prefill chunk
+    model.rope = rope_table(cfg.rope, rows, device)
+    model.rope_swa = rope_table(dataclasses.replace(cfg.rope, base=cfg.rope_base_swa), rows, device) if cfg.swa_layers else None
+    for b in model.blk: b.attn.init_cache(rows, device)
     model.decode_jit = TinyJit(model._decode)
+    model.prefill_jit = TinyJit(lambda t, sp, sel: model.forward(t, sp, select=sel).realize())
     return model
 
-  def forward(self, tokens: Tensor, start_pos: int | UOp, last_only: bool = False) -> Tensor:
-    """tokens `[1, T]` int32 at positions start_pos.. -> logits `[1, T, vocab]` (or `[1, 1, vocab]` with last_only)."""
+  def forward(self, tokens: Tensor, start_pos: int | UOp, last_only: bool = False, select: Tensor | None = None) -> Tensor:
+    """tokens `[1, T]` int32 at positions start_pos.. -> logits `[1, T, vocab]`; `[1, 1, vocab]` for the last position
+    (last_only) or for the position picked by the one-hot `select` `[1, T, 1]` (a JIT input, unlike a Python index)."""
     with actquant.llama_cpp_activations(self.llama_cpp_activations):
       x = self.token_embd(tokens)
       if self.cfg.embed_scale != 1.0: x = x * self.cfg.embed_scale
       for b in self.blk: x = b(x, start_pos, self.rope_swa if b.swa else self.rope)
       if last_only: x = x[:, -1:]
+      if select is not None: x = (x * select).sum(1, keepdim=True)
       logits = self.output(self.output_norm(x))
       return (logits / (c := self.cfg.logit_softcap)).tanh() * c if self.cfg.logit_softcap else logits
 
@@ -91,6 +97,20 @@ class Transformer:
       sp = UOp.variable("start_pos", 0, self.max_ctx - 1).bind(start_pos + s)  # symbolic: chunks share compiled kernels
       outs.append(self.forward(t, sp, last_only=last_only).realize())
     return outs[-1] if last_only else outs[0].cat(*outs[1:], dim=1) if len(outs) > 1 else outs[0]
+
+  def prefill_last(self, tokens: list[int], start_pos: int = 0) -> Tensor:
+    """Fill the caches with `tokens` through the JIT-captured chunk step; logits `[1, 1, vocab]` of the last token.
+    Chunks are padded to PREFILL_CHUNK: the padding writes cache rows past the prompt, which decode overwrites before
+    any query can see them (a query at position p reads rows <= p only)."""
+    n, C = len(tokens), self.PREFILL_CHUNK
+    if not tokens: raise ValueError("no tokens to prefill")
+    if start_pos + n > self.max_ctx: raise ValueError(f"{start_pos + n} tokens exceed the context of {self.max_ctx}")
+    for s in range(0, n, C):
+      part = tokens[s:s + C]
+      sel = [[[1.0] if i == len(part) - 1 else [0.0] for i in range(C)]]
+      out = self.prefill_jit(Tensor([part + [0] * (C - len(part))], dtype=dtypes.int32),
+                             UOp.variable("start_pos", 0, self.max_ctx - 1).bind(start_pos + s), Tensor(sel))
+    return out
 
 def _split_kv_b(attn: MLA, gf: GGUFFile, i: int, device: str) -> None:
   """Old GGUFs store `attn_kv_b` [H*(nope+v), kv_lora]; split it into the absorbed k_b [H, kv_lora, nope] and
