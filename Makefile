@@ -4,10 +4,11 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODEL ?= smollm2
+PROMPT ?= The three most important things to know about the ocean are
 
 .PHONY: run test lint install clean
 run: $(STAMP)
-	$(BIN)/python -m tg_ds4 inspect $(MODEL)
+	$(BIN)/python -m tg_ds4 generate -m $(MODEL) -p "$(PROMPT)" -n 48
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -86,8 +86,8 @@ def cmd_generate(args) -> int:
   engine = Engine(model)
   _stream(engine, tok, ids, args, sp)
   st = engine.stats
-  print(f"\n[prefill {st.prompt_tokens} tokens at {st.prefill_tps:.1f} tok/s, decode {st.generated} tokens at {st.decode_tps:.2f} tok/s]",
-        file=sys.stderr)
+  print(f"\n[prefill {st.prompt_tokens} tokens at {st.prefill_tps:.1f} tok/s, decode {st.generated} tokens at {st.decode_tps:.2f} tok/s; "
+        f"a first run includes compiling the kernels]", file=sys.stderr)
   return 0
 
 def cmd_tokenize(args) -> int:

@@ -52,10 +52,9 @@ class Engine:
     t1 = time.perf_counter()
     for i in range(max_new):
       tid = int(tok.item())
-      st.generated += 1
+      st.generated, st.decode_s = st.generated + 1, time.perf_counter() - t1  # kept current: the caller may stop early
       yield tid
       if tid in stop or i == max_new - 1: break
       # a fresh input buffer: the JIT reuses its output buffer, so feeding `tok` itself back would alias it
       nxt, pos = Tensor([[tid]], dtype=dtypes.int32), self._pos(n + i)
       tok = self._greedy_step(nxt, pos) if params.greedy else self._sample_step(nxt, pos, *sp, rng(i + 1))
-    st.decode_s = time.perf_counter() - t1

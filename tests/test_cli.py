@@ -1,0 +1,24 @@
+"""Command-line contract: bad input is one line on stderr and exit status 2; generate streams only generated text."""
+import subprocess, sys
+
+import pytest
+
+def tg(*args, timeout=600):
+  return subprocess.run([sys.executable, "-m", "tg_ds4", *args], capture_output=True, text=True, timeout=timeout)
+
+@pytest.mark.parametrize("args,msg", [
+  (["generate", "-m", "no-such-model", "-p", "hi"], "not a known model name"),
+  (["generate", "-m", "smollm2", "-p", ""], "the prompt is empty"),
+  (["generate", "-m", "smollm2", "-p", "hi", "--top-p", "3"], "top_p must be in (0, 1]"),
+  (["generate", "-m", "smollm2", "-p", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+  (["generate", "-m", "smollm2", "-p", "word " * 40, "--max-context", "16"], "the context holds 16"),
+  (["logits", "-m", "smollm2", "--tokens", "1,x"], "comma-separated integers"),
+])
+def test_bad_input_is_one_line_exit_2(args, msg):
+  r = tg(*args)
+  assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("tg_ds4: error: ") and msg in r.stderr, r.stderr
+
+def test_generate_streams_only_the_continuation():
+  r = tg("generate", "-m", "smollm2", "-p", "The capital of France is", "-n", "3")
+  assert r.returncode == 0, r.stderr
+  assert r.stdout.startswith(" Paris") and "capital" not in r.stdout and "tok/s" in r.stderr
