@@ -1,24 +1,41 @@
-"""Kernels per decode step, per block, on DEV=NULL (scheduled, not run): `DEV=NULL python scheduling/count.py FILE.gguf ...`"""
-import sys
+"""Kernels and bytes per decode step, per block kind, on DEV=NULL (scheduled, not run).
+
+  DEV=NULL python scheduling/count.py FILE.gguf ... [--json]"""
+import json, sys
 
 from tinygrad import Device, GlobalCounters, Tensor, UOp
 
 from tg_ds4.model import Transformer
+from tg_ds4.quant import QTensor
+from tg_ds4.sampling import greedy
 
-def decode_kernels(model: Transformer) -> dict[str, int]:
-  """Kernels for one decode token through each block kind and through the head (embedding + final norm + output)."""
+def _packed_bytes(obj) -> int:
+  """Packed bytes of every weight below a block (what one decode step must read at least once)."""
+  if isinstance(obj, QTensor): return obj.nbytes
+  if isinstance(obj, list): return sum(_packed_bytes(v) for v in obj)
+  if type(obj).__module__.startswith("tg_ds4.") and hasattr(obj, "__dict__") and not hasattr(obj, "__dataclass_fields__"):
+    return sum(_packed_bytes(v) for v in vars(obj).values())
+  return 0
+
+def decode_counts(model: Transformer) -> dict[str, dict[str, float]]:
+  """{block kind: {kernels, bytes, packed}} for one decode token at position 7, plus the head with greedy sampling."""
   cfg, out, pos = model.cfg, {}, UOp.variable("start_pos", 0, model.max_ctx - 1).bind(7)
   for i, b in enumerate(model.blk):
-    kind = f"{'MLA' if cfg.mla else 'GQA'} {'MoE' if cfg.is_moe_layer(i) else 'dense'}"
+    kind = f"{'MLA' if cfg.mla else 'GQA'} {'MoE' if cfg.is_moe_layer(i) else 'dense'}" + \
+      (" sandwich" if hasattr(b, "post_attention_norm") else "") + (" SWA" if b.swa else "")  # gemma: extra norms, windowed mask
     if kind in out: continue
     x = Tensor.empty(1, 1, cfg.dim).realize()
-    GlobalCounters.reset(); b(x, pos, model.rope).realize()
-    out[kind] = GlobalCounters.kernel_count
+    GlobalCounters.reset(); b(x, pos, model.rope_swa if b.swa else model.rope).realize()
+    out[kind] = {"kernels": GlobalCounters.kernel_count, "bytes": GlobalCounters.global_mem, "packed": _packed_bytes(b)}
   x = Tensor.empty(1, 1, cfg.dim).realize()
-  GlobalCounters.reset(); model.output(model.output_norm(x)).realize()
-  out["head"] = GlobalCounters.kernel_count
+  GlobalCounters.reset(); greedy(model.output(model.output_norm(x))[:, -1]).realize()
+  out["head+sampling"] = {"kernels": GlobalCounters.kernel_count, "bytes": GlobalCounters.global_mem, "packed": _packed_bytes(model.output)}
   return out
 
 if __name__ == "__main__":
   assert Device.DEFAULT == "NULL", "run with DEV=NULL"
-  for path in sys.argv[1:]: print(path, decode_kernels(Transformer.from_gguf(path, max_ctx=64)))
+  res = {p: decode_counts(Transformer.from_gguf(p, max_ctx=64)) for p in sys.argv[1:] if p != "--json"}
+  if "--json" in sys.argv: print(json.dumps(res))
+  else:
+    for p, kinds in res.items():
+      print(p); [print(f"  {k:<16} {v['kernels']:>3} kernels  {v['bytes'] / max(v['packed'], 1):.3f}x packed bytes") for k, v in kinds.items()]
