@@ -129,6 +129,16 @@ def cmd_chat(args) -> int:
     messages.append({"role": "assistant", "content": tok.decode(reply)})
     cached = (ids + reply)[:-1]  # the last token may not have been run through the model yet
 
+def cmd_bench(args) -> int:
+  from tg_ds4 import bench
+  if args.vs_llama_cpp:
+    try: import llama_cpp  # noqa: F401
+    except ImportError: raise UsageError("--vs-llama-cpp needs llama-cpp-python (pip install llama-cpp-python==0.3.36)") from None
+  if args.prompt_tokens < 1 or args.gen < 2 or args.repeat < 1: raise UsageError("--prompt-tokens >= 1, --gen >= 2 and --repeat >= 1")
+  r = bench.run(args.model, args.prompt_tokens, args.gen, args.repeat, args.vs_llama_cpp)
+  print(json.dumps(r, indent=1) if args.json else bench.format_text(r))
+  return 0
+
 def cmd_models(args) -> int:
   from tg_ds4.registry import registry
   for name, e in registry().items(): print(f"{name:<20} {'cached' if e.path.exists() else 'not cached':<11} {e.description}")
@@ -174,6 +184,14 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--special", action="store_true", help="parse special-token texts (e.g. <|im_start|>) into their ids")
   s.add_argument("--no-bos", action="store_true", help="do not add the BOS/EOS tokens the model asks for")
   s.set_defaults(fn=cmd_tokenize)
+  s = sub.add_parser("bench", help="prefill/decode tok/s, kernels and bytes per step, GB/s; optionally against llama.cpp")
+  s.add_argument("-m", "--model", default="smollm2", help="path to a .gguf file or a short model name (default smollm2)")
+  s.add_argument("--prompt-tokens", type=int, default=128)
+  s.add_argument("--gen", type=int, default=64)
+  s.add_argument("--repeat", type=int, default=3)
+  s.add_argument("--json", action="store_true")
+  s.add_argument("--vs-llama-cpp", action="store_true", help="also run llama.cpp (llama-cpp-python) on the same file and tokens")
+  s.set_defaults(fn=cmd_bench)
   s = sub.add_parser("models", help="list the short model names")
   s.set_defaults(fn=cmd_models)
   return p

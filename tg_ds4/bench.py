@@ -1,0 +1,92 @@
+"""`tg_ds4 bench`: prefill and decode speed, kernels and bytes per decode step, effective bandwidth against what this
+machine can stream, and (with --vs-llama-cpp) llama.cpp on the same file, thread count and tokens in the same process.
+Warm-up (kernel compilation, JIT capture) is excluded; every number is a median over steps or repeats."""
+from __future__ import annotations
+
+import json, os, statistics, time
+
+import numpy as np
+from tinygrad import GlobalCounters, Tensor, dtypes
+
+from tg_ds4.engine import Engine
+from tg_ds4.model import Transformer
+from tg_ds4.registry import cache_dir, resolve
+from tg_ds4.tokenizer import Tokenizer
+
+TEXT = ("The ocean covers most of the planet and holds most of its water. Its currents move heat from the equator toward "
+        "the poles, and the life in it, from plankton to whales, shapes the air we breathe. ")
+
+def read_bandwidth() -> float:
+  """Streaming-read GB/s of this machine (numpy sum over 256 MB, best of 5, one core), measured once and cached."""
+  path = cache_dir() / "read_bandwidth.json"
+  if path.exists(): return json.loads(path.read_text())["gbps"]
+  a = np.ones(64 << 20, dtype=np.float32)
+  best = min((lambda t0: (a.sum(), time.perf_counter() - t0)[1])(time.perf_counter()) for _ in range(5))
+  gbps = a.nbytes / best / 1e9
+  path.parent.mkdir(parents=True, exist_ok=True); path.write_text(json.dumps({"gbps": gbps, "method": "numpy sum of 256 MB, best of 5"}))
+  return gbps
+
+def _prompt(tok: Tokenizer, n: int) -> list[int]:
+  ids = tok.encode(TEXT * (1 + n // 20), add_special=True)[:n]
+  if len(ids) < n: raise ValueError(f"could not build a {n}-token prompt")
+  return ids
+
+def bench_tg(path, prompt: list[int], gen: int, repeat: int) -> dict:
+  model = Transformer.from_gguf(path, max_ctx=len(prompt) + gen + 8)
+  engine = Engine(model)
+  for _ in range(2): list(engine.generate(prompt, 4))  # compile + capture both JITs
+  prefill, steps = [], []
+  for _ in range(repeat):
+    t, last = [], None
+    for _ in engine.generate(prompt, gen):
+      now = time.perf_counter()
+      if last is not None: t.append(now - last)
+      last = now
+    prefill.append(engine.stats.prefill_tps); steps += t
+  # one more decode step with the counters on: what a replayed step launches and moves
+  pos, tok = len(prompt), Tensor([[prompt[-1]]], dtype=dtypes.int32)
+  GlobalCounters.reset()
+  engine._greedy_step(tok, engine._pos(pos)).item()
+  step = statistics.median(steps)
+  return {"prefill_tps": statistics.median(prefill), "decode_tps": 1 / step, "ms_per_token": 1000 * step,
+          "kernels_per_step": GlobalCounters.kernel_count, "bytes_per_step": GlobalCounters.global_mem,
+          "gbps": GlobalCounters.global_mem / step / 1e9}
+
+def bench_llama_cpp(path, prompt: list[int], gen: int, repeat: int, threads: int) -> dict:
+  from llama_cpp import Llama
+  llm = Llama(str(path), n_ctx=len(prompt) + gen + 8, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
+  prefill, steps = [], []
+  for r in range(repeat + 1):
+    llm.reset(); t0 = time.perf_counter(); llm.eval(prompt); t1 = time.perf_counter()
+    t = []
+    for _ in range(gen - 1):
+      s = time.perf_counter(); llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))]); t.append(time.perf_counter() - s)
+    if r: prefill.append(len(prompt) / (t1 - t0)); steps += t  # run 0 is warm-up
+  step = statistics.median(steps)
+  return {"prefill_tps": statistics.median(prefill), "decode_tps": 1 / step, "ms_per_token": 1000 * step}
+
+def run(model: str, prompt_tokens: int = 128, gen: int = 64, repeat: int = 3, vs_llama_cpp: bool = False) -> dict:
+  from tg_ds4.gguf import GGUFFile
+  path = resolve(model)
+  tok = Tokenizer.from_gguf(GGUFFile(path))
+  prompt = _prompt(tok, prompt_tokens)
+  res = {"model": model, "file": str(path), "prompt_tokens": prompt_tokens, "gen": gen, "repeat": repeat,
+         "threads": int(os.environ.get("NUM_CPU_THREADS", os.cpu_count() or 1)), "tg_ds4": bench_tg(path, prompt, gen, repeat)}
+  res["read_gbps"] = read_bandwidth()
+  res["tg_ds4"]["bandwidth_fraction"] = res["tg_ds4"]["gbps"] / res["read_gbps"]
+  if vs_llama_cpp:
+    res["llama_cpp"] = bench_llama_cpp(path, prompt, gen, repeat, threads=min(2, os.cpu_count() or 1))
+    res["ratio"] = {k: res["tg_ds4"][k] / res["llama_cpp"][k] for k in ("prefill_tps", "decode_tps")}
+  return res
+
+def format_text(r: dict) -> str:
+  t = r["tg_ds4"]
+  lines = [f"{r['model']}: {r['prompt_tokens']}-token prompt, {r['gen']} generated, medians over {r['repeat']} runs",
+           f"  tg_ds4     prefill {t['prefill_tps']:8.1f} tok/s   decode {t['decode_tps']:7.2f} tok/s ({t['ms_per_token']:.1f} ms/token)",
+           f"             {t['kernels_per_step']} kernels/step, {t['bytes_per_step'] / 1e6:.1f} MB/step, {t['gbps']:.2f} GB/s "
+           f"= {100 * t['bandwidth_fraction']:.1f}% of this machine's {r['read_gbps']:.1f} GB/s streaming read"]
+  if "llama_cpp" in r:
+    lc = r["llama_cpp"]
+    lines += [f"  llama.cpp  prefill {lc['prefill_tps']:8.1f} tok/s   decode {lc['decode_tps']:7.2f} tok/s ({lc['ms_per_token']:.1f} ms/token)",
+              f"  tg_ds4 / llama.cpp: prefill {r['ratio']['prefill_tps']:.3f}x, decode {r['ratio']['decode_tps']:.3f}x"]
+  return "\n".join(lines)
