@@ -6,7 +6,7 @@ from __future__ import annotations
 import json, os, statistics, time
 
 import numpy as np
-from tinygrad import GlobalCounters, Tensor, dtypes
+from tinygrad import GlobalCounters
 
 from tg_ds4.engine import Engine
 from tg_ds4.model import Transformer
@@ -44,9 +44,8 @@ def bench_tg(path, prompt: list[int], gen: int, repeat: int) -> dict:
       last = now
     prefill.append(engine.stats.prefill_tps); steps += t
   # one more decode step with the counters on: what a replayed step launches and moves
-  pos, tok = len(prompt), Tensor([[prompt[-1]]], dtype=dtypes.int32)
   GlobalCounters.reset()
-  engine._greedy_step(tok, engine._pos(pos)).item()
+  engine._greedy_step(engine._tok(prompt[-1]), engine._pos(len(prompt))).item()
   step = statistics.median(steps)
   return {"prefill_tps": statistics.median(prefill), "decode_tps": 1 / step, "ms_per_token": 1000 * step,
           "kernels_per_step": GlobalCounters.kernel_count, "bytes_per_step": GlobalCounters.global_mem,

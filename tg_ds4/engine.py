@@ -31,6 +31,7 @@ class Engine:
   def __post_init__(self):
     m = self.model
     self._pos = lambda p: UOp.variable("start_pos", 0, m.max_ctx - 1).bind(p)
+    self._tok = lambda t: UOp.variable("token", 0, m.cfg.n_vocab - 1).bind(t)  # a variable: the embedding reads one row
     self._greedy_step = TinyJit(lambda tok, sp: greedy(m.forward(tok, sp, last_only=True)[:, -1]).realize())
     self._sample_step = TinyJit(lambda tok, sp, t, k, p, mp, rng: sample(m.forward(tok, sp, last_only=True)[:, -1], t, k, p, mp, rng).realize())
 
@@ -55,6 +56,5 @@ class Engine:
       st.generated, st.decode_s = st.generated + 1, time.perf_counter() - t1  # kept current: the caller may stop early
       yield tid
       if tid in stop or i == max_new - 1: break
-      # a fresh input buffer: the JIT reuses its output buffer, so feeding `tok` itself back would alias it
-      nxt, pos = Tensor([[tid]], dtype=dtypes.int32), self._pos(n + i)
+      nxt, pos = self._tok(tid), self._pos(n + i)
       tok = self._greedy_step(nxt, pos) if params.greedy else self._sample_step(nxt, pos, *sp, rng(i + 1))

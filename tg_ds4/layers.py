@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tinygrad import Tensor, dtypes
+from tinygrad import Tensor, UOp, dtypes
 
 from tg_ds4.gguf import GGUFError, GGUFFile
 from tg_ds4.quant import QTensor, Weight, as_tensor, linear
@@ -37,9 +37,12 @@ class RMSNorm:
 
 class Embedding:
   def __init__(self, n_vocab: int, dim: int): self.weight: Weight | Param = Param(n_vocab, dim)
-  def __call__(self, tokens: Tensor) -> Tensor:
-    # gathers packed rows, so a lookup reads only the selected tokens' blocks
-    return self.weight[tokens].dequant(dtypes.float32) if isinstance(self.weight, QTensor) else self.weight[tokens].float()
+  def __call__(self, tokens: Tensor | UOp) -> Tensor:
+    """tokens `[B, T]` -> `[B, T, dim]`. A single token given as a bound symbolic variable becomes a slice of one row,
+    so a decode step reads one row; a token tensor is a one-hot gather that scans the table (fine for prefill chunks)."""
+    rows = self.weight[tokens:tokens + 1] if isinstance(tokens, UOp) else self.weight[tokens]
+    x = rows.dequant(dtypes.float32) if isinstance(rows, QTensor) else rows.float()
+    return x.reshape(1, 1, -1) if isinstance(tokens, UOp) else x
 
 def _is_module(v) -> bool:  # our layer objects: not configs, tensors or anything from other packages
   return type(v).__module__.startswith("tg_ds4.") and hasattr(v, "__dict__") and not dataclasses.is_dataclass(v)

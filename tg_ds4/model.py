@@ -69,8 +69,9 @@ class Transformer:
     model.prefill_jit = TinyJit(lambda t, sp, sel: model.forward(t, sp, select=sel).realize())
     return model
 
-  def forward(self, tokens: Tensor, start_pos: int | UOp, last_only: bool = False, select: Tensor | None = None) -> Tensor:
-    """tokens `[1, T]` int32 at positions start_pos.. -> logits `[1, T, vocab]`; `[1, 1, vocab]` for the last position
+  def forward(self, tokens: Tensor | UOp, start_pos: int | UOp, last_only: bool = False, select: Tensor | None = None) -> Tensor:
+    """tokens `[1, T]` int32 (or one token as a bound variable) at positions start_pos.. -> logits `[1, T, vocab]`;
+    `[1, 1, vocab]` for the last position
     (last_only) or for the position picked by the one-hot `select` `[1, T, 1]` (a JIT input, unlike a Python index)."""
     with actquant.llama_cpp_activations(self.llama_cpp_activations):
       x = self.token_embd(tokens)
