@@ -1,0 +1,14 @@
+"""bench reports what it promises (on a tiny fixture; speed itself is a benchmark, never a test assertion)."""
+import pathlib
+
+from tg_ds4 import bench
+
+def test_bench_report_fields():
+  path = pathlib.Path(__file__).parent / "fixtures" / "deepseek2" / "ds3" / "ds3-Q4_0.gguf"
+  r = bench.run(str(path), prompt_tokens=8, gen=4, repeat=1)
+  t = r["tg_ds4"]
+  assert t["prefill_tps"] > 0 and t["decode_tps"] > 0 and t["ms_per_token"] > 0
+  assert t["kernels_per_step"] >= 3 * 16 and t["bytes_per_step"] > 0  # 3 blocks of >= 16 kernels each
+  assert 0 < t["bandwidth_fraction"] < 1 and r["read_gbps"] > 0
+  text = bench.format_text(r)
+  assert "kernels/step" in text and "GB/s" in text
