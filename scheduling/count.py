@@ -5,17 +5,14 @@ import json, sys
 
 from tinygrad import Device, GlobalCounters, Tensor, UOp
 
+from tg_ds4.layers import packed_weights
 from tg_ds4.model import Transformer
 from tg_ds4.quant import QTensor
 from tg_ds4.sampling import greedy
 
 def _packed_bytes(obj) -> int:
   """Packed bytes of every weight below a block (what one decode step must read at least once)."""
-  if isinstance(obj, QTensor): return obj.nbytes
-  if isinstance(obj, list): return sum(_packed_bytes(v) for v in obj)
-  if type(obj).__module__.startswith("tg_ds4.") and hasattr(obj, "__dict__") and not hasattr(obj, "__dataclass_fields__"):
-    return sum(_packed_bytes(v) for v in vars(obj).values())
-  return 0
+  return obj.nbytes if isinstance(obj, QTensor) else sum(w.nbytes for _, _, w in packed_weights(obj))
 
 def decode_counts(model: Transformer) -> dict[str, dict[str, float]]:
   """{block kind: {kernels, bytes, packed}} for one decode token at position 7, plus the head with greedy sampling."""

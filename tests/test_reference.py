@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from tinygrad import Tensor, dtypes
 
+from tg_ds4.layers import packed_weights
 from tg_ds4.model import Transformer
-from tg_ds4.quant import QTensor
 
 ROOT = pathlib.Path(__file__).parent / "fixtures" / "deepseek2"
 FAMILIES = sorted(p.name for p in ROOT.iterdir() if (p / "manifest.json").exists())
@@ -30,16 +30,11 @@ def rel(a, b) -> float: return float(np.abs(a - b).max() / np.abs(b).max())
 
 def dequantized_twin(m: Transformer) -> Transformer:
   """Replace every packed weight of `m` by gguf-py's own dequantization of its bytes (plain float32 tensors)."""
-  def walk(obj):
-    for k, v in list(enumerate(obj) if isinstance(obj, list) else vars(obj).items()):
-      if isinstance(v, QTensor):
-        raw = v.blocks.numpy().reshape(*v.shape[:-1], -1)
-        val = Tensor(np.ascontiguousarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(v.qtype.id)), dtype=np.float32))
-        if isinstance(obj, list): obj[k] = val
-        else: setattr(obj, k, val)
-      elif isinstance(v, list) or (type(v).__module__.startswith("tg_ds4.") and hasattr(v, "__dict__") and not hasattr(v, "__dataclass_fields__")):
-        walk(v)
-  walk(m)
+  for owner, k, v in list(packed_weights(m)):
+    raw = v.blocks.numpy().reshape(*v.shape[:-1], -1)
+    val = Tensor(np.ascontiguousarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(v.qtype.id)), dtype=np.float32))
+    if isinstance(owner, list): owner[k] = val
+    else: setattr(owner, k, val)
   return m
 
 @functools.cache

@@ -56,6 +56,12 @@ def _walk(obj, prefix: str = ""):
     elif isinstance(v, list) or _is_module(v):
       yield from _walk(v, prefix if getattr(v, "gguf_flat", False) else name + ".")
 
+def packed_weights(obj):
+  """Yield (owner, attr, QTensor) for every loaded packed weight below `obj` (owner[attr] or owner.attr holds it)."""
+  for k, v in list(enumerate(obj) if isinstance(obj, list) else vars(obj).items()):
+    if isinstance(v, QTensor): yield obj, k, v
+    elif isinstance(v, list) or _is_module(v): yield from packed_weights(v)
+
 def load_weights(model, gf: GGUFFile, device: str | None = None, rename: dict[str, str] | None = None) -> None:
   """Replace every Param below `model` by the GGUF tensor of the same name, checking shapes."""
   for name, owner, attr, p in _walk(model):
