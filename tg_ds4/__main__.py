@@ -139,6 +139,24 @@ def cmd_bench(args) -> int:
   print(json.dumps(r, indent=1) if args.json else bench.format_text(r))
   return 0
 
+def cmd_profile(args) -> int:
+  import pathlib
+
+  from tg_ds4 import profile
+  from tg_ds4.bench import read_bandwidth
+  from tg_ds4.model import Transformer
+  from tg_ds4.registry import resolve
+  if (args.pos is not None and args.pos < 0) or args.repeat < 1: raise UsageError("--pos >= 0 and --repeat >= 1")
+  path = resolve(args.model)
+  model = Transformer.from_gguf(path, max_ctx=(127 if args.pos is None else args.pos) + 1)
+  pos = model.max_ctx - 1 if args.pos is None else args.pos
+  if pos >= model.max_ctx: raise UsageError(f"--pos {pos} is past the model's context of {model.max_ctx}")
+  res = {"model": args.model, "file": str(path), **profile.profile_model(model, pos, args.repeat, args.prefill)}
+  if args.out:
+    for p in profile.write(res, pathlib.Path(args.out), pathlib.Path(path).stem, read_bandwidth()): print(f"wrote {p}", file=sys.stderr)
+  print(json.dumps(res, indent=1) if args.json else profile.format_text(res))
+  return 0
+
 def cmd_models(args) -> int:
   from tg_ds4.registry import registry
   for name, e in registry().items(): print(f"{name:<20} {'cached' if e.path.exists() else 'not cached':<11} {e.description}")
@@ -192,6 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--json", action="store_true")
   s.add_argument("--vs-llama-cpp", action="store_true", help="also run llama.cpp (llama-cpp-python) on the same file and tokens")
   s.set_defaults(fn=cmd_bench)
+  s = sub.add_parser("profile", help="time one decode step (and a prefill chunk) kernel by kernel, by block and op; CSV/JSON/PNG")
+  s.add_argument("-m", "--model", default="smollm2", help="path to a .gguf file or a short model name (default smollm2)")
+  s.add_argument("--pos", type=int, help="decode position: the step attends over pos+1 cache rows (default 127, or the context's end)")
+  s.add_argument("--repeat", type=int, default=10, help="replays per kernel timing; the median is kept (default 10)")
+  s.add_argument("--prefill", action="store_true", help="also profile one JIT prefill chunk")
+  s.add_argument("--out", help="directory for decode.{csv,json,png} (and prefill.*)")
+  s.add_argument("--json", action="store_true")
+  s.set_defaults(fn=cmd_profile)
   s = sub.add_parser("models", help="list the short model names")
   s.set_defaults(fn=cmd_models)
   return p
