@@ -64,10 +64,17 @@ def bench_llama_cpp(path, prompt: list[int], gen: int, repeat: int, threads: int
   step = statistics.median(steps)
   return {"prefill_tps": statistics.median(prefill), "decode_tps": 1 / step, "ms_per_token": 1000 * step}
 
+class BenchError(ValueError):
+  """Settings that cannot run on this model (reported as a usage error)."""
+
 def run(model: str, prompt_tokens: int = 128, gen: int = 64, repeat: int = 3, vs_llama_cpp: bool = False) -> dict:
   from tg_ds4.gguf import GGUFFile
+  from tg_ds4.config import ModelConfig
   path = resolve(model)
-  tok = Tokenizer.from_gguf(GGUFFile(path))
+  gf = GGUFFile(path)
+  if prompt_tokens + gen + 8 > (ctx := ModelConfig.from_gguf(gf).ctx_len):
+    raise BenchError(f"{path}: {prompt_tokens} prompt + {gen} generated tokens do not fit its context of {ctx} (lower --prompt-tokens/--gen)")
+  tok = Tokenizer.from_gguf(gf)
   prompt = _prompt(tok, prompt_tokens)
   res = {"model": model, "file": str(path), "prompt_tokens": prompt_tokens, "gen": gen, "repeat": repeat,
          "threads": int(os.environ.get("NUM_CPU_THREADS", os.cpu_count() or 1)), "tg_ds4": bench_tg(path, prompt, gen, repeat)}

@@ -31,9 +31,13 @@ class Linear:
 
 class RMSNorm:
   def __init__(self, dim: int, eps: float): self.weight, self.eps = Param(dim), eps
-  def __call__(self, x: Tensor) -> Tensor:
+  def __call__(self, x: Tensor, per_element: bool = False) -> Tensor:
+    """`per_element` recomputes the mean square for every output element (dim x the work) instead of broadcasting one
+    reduce: a broadcast reduce is always its own kernel, so for a small norm feeding an elementwise consumer (a cache
+    write) recomputing is cheaper than the extra launch. Never use it in front of a matmul (dim^2 work per row)."""
     x = x.float()
-    return x * (x.square().mean(-1, keepdim=True) + self.eps).rsqrt() * as_tensor(self.weight)
+    sq = x.square().unsqueeze(-2).expand(*x.shape, x.shape[-1]) if per_element else x.square()
+    return x * (sq.mean(-1, keepdim=not per_element) + self.eps).rsqrt() * as_tensor(self.weight)
 
 class Embedding:
   def __init__(self, n_vocab: int, dim: int): self.weight: Weight | Param = Param(n_vocab, dim)

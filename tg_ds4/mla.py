@@ -59,7 +59,7 @@ class MLA:
     q = q_lat.cat(q_pe.transpose(1, 2), dim=-1)                                         # [B,H,T,L+R]
 
     kv = self.attn_kv_a_mqa(x)
-    k_new = self.attn_kv_a_norm(kv[..., :L]).cat(apply_rope(kv[..., L:], rope, start_pos, cfg.rope.type), dim=-1)
+    k_new = self.attn_kv_a_norm(kv[..., :L], per_element=True).cat(apply_rope(kv[..., L:], rope, start_pos, cfg.rope.type), dim=-1)
     k = write_cache(self.cache, k_new, start_pos).unsqueeze(1)                        # [B,1,S,L+R]
 
     scores = (q @ k.transpose(-1, -2)) * cfg.kq_scale                                  # [B,H,T,S]

@@ -13,14 +13,27 @@ from tg_ds4.layers import Linear, Param, Params
 from tg_ds4.quant import as_tensor, linear
 
 
-def topk_ids(x: Tensor, k: int) -> Tensor:
-  """Indices `[..., k]` of the k largest values along the last axis, largest first; ties go to the lower index."""
+def _rank(x: Tensor) -> Tensor:
+  """Rank of each entry along the last axis: how many entries beat it (0 = largest; ties go to the lower index)."""
   n = x.shape[-1]
   i, j = Tensor.arange(n).reshape(n, 1), Tensor.arange(n).reshape(1, n)
   xi, xj = x.unsqueeze(-1), x.unsqueeze(-2)
-  rank = ((xj > xi) | ((xj == xi) & (j < i))).sum(-1)                     # how many entries beat entry i
-  onehot = rank.unsqueeze(-2) == Tensor.arange(k).reshape(k, 1)           # [..., k, n]: which entry has rank r
-  return (onehot.where(Tensor.arange(n), 0)).sum(-1).cast(dtypes.int32)
+  return ((xj > xi) | ((xj == xi) & (j < i))).sum(-1)
+
+def _topk_onehot(x: Tensor, k: int) -> Tensor:
+  """`[..., k, n]` bool: entry i of the last axis has rank r."""
+  return _rank(x).unsqueeze(-2) == Tensor.arange(k).reshape(k, 1)
+
+def topk_ids(x: Tensor, k: int) -> Tensor:
+  """Indices `[..., k]` of the k largest values along the last axis, largest first; ties go to the lower index."""
+  return _topk_onehot(x, k).where(Tensor.arange(x.shape[-1]), 0).sum(-1).cast(dtypes.int32)
+
+def topk_ids_values(x: Tensor, k: int, values: Tensor) -> tuple[Tensor, Tensor]:
+  """topk_ids(x, k) and `values` at those ids, from one reduce: the one-hot selects (id, value) pairs together, so the
+  gather costs no kernel of its own. Ids pass through float32, exact below 2**24."""
+  pairs = Tensor.arange(x.shape[-1]).float().expand(values.shape).stack(values.float(), dim=-1)  # [..., n, 2]
+  sel = _topk_onehot(x, k).unsqueeze(-1).where(pairs.unsqueeze(-3), 0.0).sum(-2)                 # [..., k, 2]
+  return sel[..., 0].cast(dtypes.int32), sel[..., 1]
 
 class FFN:
   """SwiGLU: down(silu(gate(x)) * up(x)) (GeGLU with gelu-tanh for gemma). Also the shared expert (`*_shexp`)."""
@@ -54,13 +67,13 @@ class MoE:
     if cfg.n_expert_group > 1:
       G = cfg.n_expert_group
       grouped = sel.reshape(*sel.shape[:-1], G, cfg.n_expert // G)
-      top2 = grouped.gather(-1, topk_ids(grouped, 2)).sum(-1)                     # group score: sum of its best two
-      keep = (topk_ids(top2, cfg.n_expert_group_used).unsqueeze(-1) == Tensor.arange(G)).any(-2)   # [B,T,G]
+      top2 = topk_ids_values(grouped, 2, grouped)[1].sum(-1)                       # group score: sum of its best two
+      keep = _rank(top2) < cfg.n_expert_group_used                                # [B,T,G]: the best groups
       sel = keep.unsqueeze(-1).where(grouped, float("-inf")).reshape(sel.shape)
-    ids = topk_ids(sel, cfg.n_expert_used)
-    w = probs.gather(-1, ids)
+    ids, w = topk_ids_values(sel, cfg.n_expert_used, probs)
     if cfg.gating == Gating.SOFTMAX_WEIGHT: w = w.softmax(-1)
-    if cfg.expert_weights_norm: w = w / w.sum(-1, keepdim=True).maximum(6.103515625e-5)
+    # the k-term sum recomputed per weight (k^2 adds) fuses into the consumer instead of being a broadcast reduce kernel
+    if cfg.expert_weights_norm: w = w / w.unsqueeze(-2).expand(*w.shape, w.shape[-1]).sum(-1).maximum(6.103515625e-5)
     if cfg.expert_weights_scale != 1.0: w = w * cfg.expert_weights_scale
     return ids, w
 
