@@ -80,8 +80,9 @@ def cmd_generate(args) -> int:
   if not args.prompt: raise UsageError("the prompt is empty (-p TEXT)")
   sp = _sampling(args)
   gf, model, tok = _load(args)
-  text = Template.from_gguf(gf).render([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-  ids = tok.encode(text, add_special=True, parse_special=args.chat)
+  template = Template.from_gguf(gf) if args.chat else None
+  text = template.render([{"role": "user", "content": args.prompt}]) if template else args.prompt
+  ids = tok.encode(text, add_special=template.encode_add_special(text) if template else True, parse_special=args.chat)  # no double BOS
   if len(ids) >= model.max_ctx: raise UsageError(f"the prompt is {len(ids)} tokens; the context holds {model.max_ctx} (--max-context)")
   engine = Engine(model)
   _stream(engine, tok, ids, args, sp)
@@ -99,7 +100,7 @@ def cmd_tokenize(args) -> int:
   return 0
 
 def cmd_chat(args) -> int:
-  from tg_ds4.chat import Template
+  from tg_ds4.chat import Template, assistant_message
   from tg_ds4.engine import Engine
   sp = _sampling(args)
   gf, model, tok = _load(args)
@@ -111,7 +112,8 @@ def cmd_chat(args) -> int:
     except KeyboardInterrupt: print(file=sys.stderr); continue
     if not line.strip(): continue
     messages.append({"role": "user", "content": line})
-    ids = tok.encode(template.render(messages), add_special=True, parse_special=True)
+    text = template.render(messages, thinking=args.think)
+    ids = tok.encode(text, add_special=template.encode_add_special(text), parse_special=True)
     if len(ids) >= model.max_ctx:
       print(f"the conversation is {len(ids)} tokens, over the context of {model.max_ctx}; start a new chat", file=sys.stderr)
       return 0
@@ -126,7 +128,7 @@ def cmd_chat(args) -> int:
       sys.stdout.write(dec.flush())
     except KeyboardInterrupt: pass
     print()
-    messages.append({"role": "assistant", "content": tok.decode(reply)})
+    messages.append(assistant_message(tok.decode(reply)))
     cached = (ids + reply)[:-1]  # the last token may not have been run through the model yet
 
 def cmd_bench(args) -> int:
@@ -135,7 +137,8 @@ def cmd_bench(args) -> int:
     try: import llama_cpp  # noqa: F401
     except ImportError: raise UsageError("--vs-llama-cpp needs llama-cpp-python (pip install llama-cpp-python==0.3.36)") from None
   if args.prompt_tokens < 1 or args.gen < 2 or args.repeat < 1: raise UsageError("--prompt-tokens >= 1, --gen >= 2 and --repeat >= 1")
-  r = bench.run(args.model, args.prompt_tokens, args.gen, args.repeat, args.vs_llama_cpp)
+  try: r = bench.run(args.model, args.prompt_tokens, args.gen, args.repeat, args.vs_llama_cpp)
+  except bench.BenchError as e: raise UsageError(str(e)) from None
   print(json.dumps(r, indent=1) if args.json else bench.format_text(r))
   return 0
 
@@ -156,6 +159,12 @@ def cmd_profile(args) -> int:
     for p in profile.write(res, pathlib.Path(args.out), pathlib.Path(path).stem, read_bandwidth()): print(f"wrote {p}", file=sys.stderr)
   print(json.dumps(res, indent=1) if args.json else profile.format_text(res))
   return 0
+
+def cmd_serve(args) -> int:
+  from tg_ds4.server.app import serve
+  if args.max_context is not None and args.max_context < 2: raise UsageError("--max-context must be at least 2")
+  if min(args.max_queue, args.max_body_bytes, args.max_json_depth) < 1: raise UsageError("--max-queue, --max-body-bytes, --max-json-depth: >= 1")
+  return serve(args)
 
 def cmd_models(args) -> int:
   from tg_ds4.registry import registry
@@ -194,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
   s.set_defaults(fn=cmd_generate)
   s = sub.add_parser("chat", help="interactive multi-turn chat using the model's template")
   s.add_argument("-m", "--model", default="smollm2", help="path to a .gguf file or a short model name (default smollm2)")
+  s.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
+                 help="reasoning on/off (template variables thinking / enable_thinking; default: the template's own)")
   sampling_args(s)
   s.set_defaults(fn=cmd_chat)
   s = sub.add_parser("tokenize", help="print the token ids of TEXT as JSON")
@@ -218,6 +229,18 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--out", help="directory for decode.{csv,json,png} (and prefill.*)")
   s.add_argument("--json", action="store_true")
   s.set_defaults(fn=cmd_profile)
+  s = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server (one inference worker, streaming, prefix KV reuse)")
+  s.add_argument("-m", "--model", default="smollm2", help="path to a .gguf file or a short model name (default smollm2)")
+  s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+  s.add_argument("--port", type=int, default=8000)
+  s.add_argument("--max-context", type=int, default=4096, help="KV cache length (default 4096, capped at the model's)")
+  s.add_argument("--max-queue", type=int, default=64, help="requests waiting for the worker before new ones get 429 (default 64)")
+  s.add_argument("--kv-cache-dir", metavar="DIR", help="persist prompt KV caches here and reuse them across restarts")
+  s.add_argument("--kv-cache-size", default="2G", help="size cap of --kv-cache-dir, least recently used files evicted (default 2G)")
+  s.add_argument("--kv-cache-min-tokens", type=int, default=256, help="save the KV state of prompts of at least this many tokens (default 256)")
+  s.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413 (default 8 MiB)")
+  s.add_argument("--max-json-depth", type=int, default=64, help="deeper-nested JSON bodies get 400 (default 64)")
+  s.set_defaults(fn=cmd_serve)
   s = sub.add_parser("models", help="list the short model names")
   s.set_defaults(fn=cmd_models)
   return p

@@ -53,6 +53,9 @@ class Transformer:
     """Load a model. `llama_cpp_activations` rounds quantized-matmul inputs as llama.cpp's CPU backend does (see
     actquant.py): for token-exact comparisons with llama.cpp; the default is exact float math."""
     gf = path if isinstance(path, GGUFFile) else GGUFFile(path)
+    if gf.arch == "deepseek4":  # V4 (hyper-connections, compressed KV): its own model class with the same interface
+      from tg_ds4.ds4 import DS4Transformer
+      return DS4Transformer.from_gguf(gf, max_ctx, device, llama_cpp_activations)  # type: ignore[return-value]
     cfg = ModelConfig.from_gguf(gf)
     device = device or Device.DEFAULT
     model = Transformer(cfg, gf)
@@ -81,6 +84,11 @@ class Transformer:
       if select is not None: x = (x * select).sum(1, keepdim=True)
       logits = self.output(self.output_norm(x))
       return (logits / (c := self.cfg.logit_softcap)).tanh() * c if self.cfg.logit_softcap else logits
+
+  def cache_tensors(self) -> list[tuple[str, Tensor, int]]:
+    """Every KV-cache tensor as (name, tensor, row axis): rows [0:n] along that axis are the state after n tokens, so a
+    prefix can be saved and restored without knowing the attention class."""
+    return [(f"blk.{i}.attn.cache", b.attn.cache, 1) for i, b in enumerate(self.blk)]
 
   def _decode(self, token: Tensor, start_pos: UOp) -> Tensor: return self.forward(token, start_pos).realize()
 

@@ -1,0 +1,100 @@
+"""The ASGI app (Starlette, served by uvicorn) and `serve`: load the model, start the inference worker, listen.
+
+Starlette rather than FastAPI: we need the raw body (size and depth limits before parsing) and errors in two different
+API shapes with 400 (not FastAPI's 422 validation layer, which would have to be overridden everywhere); pydantic does the
+field validation and the OpenAPI schema. uvicorn: the standard ASGI server, pure-Python install (h11)."""
+from __future__ import annotations
+
+import logging, pathlib, time
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.routing import Route
+
+from tg_ds4.server import anthropic_api, openai_api
+from tg_ds4.server.errors import ApiError, api_of
+from tg_ds4.server.schemas import openapi
+from tg_ds4.server.served import Served
+from tg_ds4.server.wire import JSON
+
+log = logging.getLogger("tg_ds4.server")
+MAX_BODY_BYTES = 8 << 20
+MAX_JSON_DEPTH = 64
+
+def _guarded(fn):
+  """Every endpoint answers in its API's error shape, and no exception escapes to take a connection (or more) down."""
+  async def run(request: Request):
+    try: return await fn(request)
+    except ApiError as e: return e.response(api_of(request.url.path))
+    except Exception:
+      log.exception("unexpected error in %s %s", request.method, request.url.path)
+      return ApiError(500, "internal server error").response(api_of(request.url.path))
+  return run
+
+async def health(request: Request):
+  s: Served = request.app.state.served
+  st = s.worker.status()
+  return JSON({"status": "ok" if st["ready"] else "loading", "model": s.model_id, "context": s.max_ctx, **st}, 200 if st["ready"] else 503)
+
+async def model_info(request: Request):
+  s: Served = request.app.state.served
+  s.check_model(request.path_params["model"])
+  return JSON({"id": s.model_id, "object": "model", "type": "model", "created": s.created, "owned_by": "tg_ds4", "display_name": s.model_id})
+
+async def openapi_json(request: Request): return JSON(request.app.state.openapi)
+
+async def _http_error(request: Request, exc: HTTPException):
+  return ApiError(exc.status_code, exc.detail or "error").response(api_of(request.url.path))
+
+def build_app(served: Served, max_body: int = MAX_BODY_BYTES, max_depth: int = MAX_JSON_DEPTH) -> Starlette:
+  routes = [Route("/v1/chat/completions", _guarded(openai_api.chat_completions), methods=["POST"]),
+            Route("/v1/completions", _guarded(openai_api.completions), methods=["POST"]),
+            Route("/v1/messages", _guarded(anthropic_api.messages), methods=["POST"]),
+            Route("/v1/models", _guarded(openai_api.models), methods=["GET"]),
+            Route("/v1/models/{model:path}", _guarded(model_info), methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/openapi.json", openapi_json, methods=["GET"])]
+  app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+  app.state.served, app.state.body_limits = served, (max_body, max_depth)
+  app.state.openapi = openapi(f"tg_ds4 serving {served.model_id}", "1")
+  return app
+
+def parse_size(text: str) -> int:
+  """'2G', '512M', '100k' or plain bytes."""
+  t = text.strip().upper().removesuffix("B")
+  mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+  return int(float(t[:-1] if mult > 1 else t) * mult)
+
+def load(model: str, max_context: int | None, kv_cache_dir: str | None = None, kv_cache_size: int = 2 << 30, kv_cache_min_tokens: int = 256,
+         max_queue: int = 64, warmup: bool = True) -> Served:
+  """Tokenizer and template here; model and KV store on the worker's thread (see Worker). Returns once the model is
+  loaded (a bad file raises here); the warm-up compile runs on while the server already answers /health."""
+  from tg_ds4.chat import Template
+  from tg_ds4.engine import Engine
+  from tg_ds4.gguf import GGUFFile
+  from tg_ds4.model import Transformer
+  from tg_ds4.registry import resolve
+  from tg_ds4.server.kvstore import KVStore, model_fingerprint
+  from tg_ds4.server.worker import Worker
+  from tg_ds4.tokenizer import Tokenizer
+  path = pathlib.Path(resolve(model))
+  gf = GGUFFile(path)
+  tok, t0 = Tokenizer.from_gguf(gf), time.perf_counter()
+  def load_engine():
+    engine = Engine(Transformer.from_gguf(gf, max_ctx=max_context or None))
+    kv = KVStore(kv_cache_dir, model_fingerprint(path, engine.cache_layout()), kv_cache_size, kv_cache_min_tokens) if kv_cache_dir else None
+    return engine, kv
+  worker = Worker(load_engine, max_queue, warmup=(tok.encode("Hello, world", add_special=True) or [0]) if warmup else None).start().wait_loaded()
+  model_id, max_ctx = str(gf.get("general.name") or path.stem), worker.engine.model.max_ctx
+  log.info("loaded %s (%s) in %.1fs; context %d", model_id, path.name, time.perf_counter() - t0, max_ctx)
+  return Served(model_id, frozenset({model_id, model, path.name, path.stem}), tok, Template.from_gguf(gf), max_ctx, worker)
+
+def serve(args) -> int:
+  import uvicorn
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+  served = load(args.model, args.max_context, args.kv_cache_dir, parse_size(args.kv_cache_size), args.kv_cache_min_tokens, args.max_queue)
+  app = build_app(served, args.max_body_bytes, args.max_json_depth)
+  uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False, timeout_graceful_shutdown=3)).run()
+  if served.worker.kvstore: served.worker.kvstore.flush(10)
+  return 0

@@ -1,0 +1,148 @@
+"""The single inference thread: every tinygrad call happens here (tinygrad is not thread-safe). Requests wait in a
+bounded FIFO queue; results go back to the event loop as events on the job's asyncio queue.
+
+Per job: reuse the longest common prefix with what the KV cache holds (or, when longer, with a saved prefix on disk),
+prefill the rest, then stream tokens, checking the job's cancel flag before every further token, so a client that went
+away costs at most the token in flight. Long prompts' KV rows are saved for later (after the answer, off the hot path)."""
+from __future__ import annotations
+
+import asyncio, itertools, logging, queue, threading, time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tg_ds4.engine import Engine
+from tg_ds4.sampling import SamplingParams
+from tg_ds4.server.kvstore import KVStore
+
+log = logging.getLogger("tg_ds4.server")
+_ids = itertools.count(1)
+MIN_DISK_GAIN = 16  # load a saved prefix only when it saves at least this many tokens of prefill over what is in memory
+
+@dataclass
+class Started:
+  cached_tokens: int   # prompt tokens whose KV rows were reused (memory or disk)
+
+@dataclass
+class Done:
+  reason: str          # "stop" (a stop token), "length", "cancelled"
+
+@dataclass
+class Failed:
+  message: str
+
+@dataclass
+class Job:
+  prompt: list[int]
+  max_tokens: int
+  params: SamplingParams
+  stop_ids: frozenset[int]
+  logprobs: int | None = None
+  loop: asyncio.AbstractEventLoop | None = None
+  events: asyncio.Queue = field(default_factory=asyncio.Queue)
+  id: int = field(default_factory=lambda: next(_ids))
+  generated: int = 0                 # tokens produced so far (written by the worker)
+  cancel_at: int | None = None       # `generated` when the cancel arrived
+  _cancelled: threading.Event = field(default_factory=threading.Event)
+
+  def cancel(self):
+    if not self._cancelled.is_set(): self.cancel_at = self.generated; self._cancelled.set()
+
+  @property
+  def cancelled(self) -> bool: return self._cancelled.is_set()
+
+  def emit(self, ev):
+    try: self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+    except RuntimeError: pass  # the event loop is gone (shutdown): nobody is listening
+
+class QueueFull(Exception): pass
+
+class Worker:
+  """`load` builds the engine (and the KV store, if any) on the worker's own thread: tinygrad keeps per-thread state
+  (its compile cache's SQLite connection), so the model is never touched from any other thread."""
+  def __init__(self, load: Callable[[], tuple[Engine, KVStore | None]], max_queue: int = 64, warmup: list[int] | None = None):
+    self.load, self.warmup, self.engine, self.kvstore, self.load_error = load, warmup, None, None, None
+    self.queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+    self.loaded, self.ready, self.current = threading.Event(), threading.Event(), None
+    self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "tokens": 0}
+    self.last_cancel: dict | None = None
+    self.job_seconds = 1.0  # running mean, for Retry-After
+    self.thread = threading.Thread(target=self._run, name="inference", daemon=True)
+
+  def start(self) -> Worker:
+    self.thread.start()
+    return self
+
+  def wait_loaded(self) -> Worker:
+    """Block until the model is loaded; re-raise what went wrong if it could not be."""
+    self.loaded.wait()
+    if self.load_error is not None: raise self.load_error
+    return self
+
+  def submit(self, job: Job) -> None:
+    try: self.queue.put_nowait(job)
+    except queue.Full: raise QueueFull() from None
+
+  def retry_after(self) -> int: return max(1, min(60, round(self.job_seconds * max(self.queue.qsize(), 1))))
+
+  def status(self) -> dict:
+    return {"ready": self.ready.is_set(), "queued": self.queue.qsize(), "busy": self.current is not None, **self.counts,
+            "last_cancel": self.last_cancel, "cached_tokens": len(self.engine.cached) if self.engine else 0,
+            "kv_store": self.kvstore.stats() if self.kvstore else None}
+
+  def _run(self):
+    try: self.engine, self.kvstore = self.load()
+    except Exception as e: self.load_error = e; return
+    finally: self.loaded.set()
+    if self.warmup:  # compile and capture the prefill and decode steps before the first request
+      t = time.perf_counter()
+      try: list(self.engine.generate(self.warmup, 3))
+      except Exception: log.exception("warm-up failed")
+      log.info("warm-up done in %.1fs", time.perf_counter() - t)
+    self.ready.set()
+    while True:
+      job = self.queue.get()
+      if job.cancelled:  # left while queued: costs nothing
+        self.counts["cancelled"] += 1
+        self.last_cancel = {"job": job.id, "generated": 0, "tokens_after_cancel": 0}
+        job.emit(Done("cancelled")); continue
+      self.current, t = job, time.perf_counter()
+      try: self._generate(job)
+      except Exception as e:  # a failing request must not take the worker down
+        log.exception("job %d failed", job.id)
+        self.counts["failed"] += 1
+        job.emit(Failed(f"{type(e).__name__}: {e}"))
+      finally:
+        self.current = None
+        self.job_seconds = 0.8 * self.job_seconds + 0.2 * (time.perf_counter() - t)
+
+  def _reuse(self, prompt: list[int]) -> int:
+    eng, start = self.engine, self.engine.reusable(prompt)
+    if self.kvstore is not None:
+      entry, n = self.kvstore.lookup(prompt)
+      n = min(n, len(prompt) - 1)
+      if entry is not None and n >= start + MIN_DISK_GAIN and (rows := self.kvstore.load(entry)) is not None:
+        eng.load_kv_rows(entry.tokens[:n].tolist(), rows)
+        start = eng.reusable(prompt)
+    return start
+
+  def _generate(self, job: Job):
+    eng, prompt = self.engine, job.prompt
+    start = self._reuse(prompt)
+    job.emit(Started(start))
+    reason, last = "length", None
+    gen = eng.steps(prompt, job.max_tokens, job.params, job.stop_ids, start_pos=start, logprobs=job.logprobs)
+    try:
+      for step in gen:
+        job.generated += 1; last = step.token
+        job.emit(step)
+        if job.cancelled: reason = "cancelled"; break  # not resuming the generator: no further token is computed
+    finally: gen.close()
+    if reason != "cancelled" and last in job.stop_ids: reason = "stop"
+    self.counts["tokens"] += job.generated
+    if reason == "cancelled":
+      self.counts["cancelled"] += 1
+      self.last_cancel = {"job": job.id, "generated": job.generated, "tokens_after_cancel": job.generated - (job.cancel_at or 0)}
+    else: self.counts["completed"] += 1
+    job.emit(Done(reason))
+    kv = self.kvstore
+    if kv is not None and eng.cached[:len(prompt)] == prompt and kv.wants(prompt): kv.save(prompt, eng.kv_rows(len(prompt)))
