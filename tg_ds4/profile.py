@@ -72,16 +72,24 @@ def attribute(kernels: list[dict]) -> None:
     phase, block = k["op"], k["block"]
 
 class _Recorder:
-  """Stands in for tinygrad's per-call stats hook during a replay: records each kernel's time, bytes and buffers."""
-  def __init__(self, names: dict): self.names, self.calls = names, []
+  """Stands in for tinygrad's per-call stats hook during a replay: records each kernel's time, bytes and buffers.
+  A buffer written by a kernel that only reads one named tensor (elementwise) inherits its name (a weight dequantized once for a
+  prefill GEMM is still that weight); any other write clears a scratch buffer's name (the JIT reuses buffers)."""
+  def __init__(self, names: dict): self.names, self.fixed, self.calls = dict(names), set(names), []
+  def _name(self, b) -> str | None: return self.names.get(b) or self.names.get(getattr(b, "_base", None))
   def __call__(self, ctx, call, st, ets):
     bufs = [u.buffer for u in realize.resolve_params(call, ctx.input_uops)]
-    ast = call.src[0]
+    ast, (outs, ins) = call.src[0], realize.get_call_outs_ins(call)
     ops = {u.op for u in ast.toposort()} if ast.op is Ops.PROGRAM else set()
+    reads = [n for b in bufs if (n := self._name(b))]
     self.calls.append({"name": re.sub(r"\x1b\[[0-9;]*m", "", realize.get_call_name(call, bufs, ctx.var_vals)),
                        "time_s": sum(e for e in ets if e is not None), "bytes": int(sym_infer(realize.estimate_uop(call).mem, ctx.var_vals)),
-                       "reads": [n for b in bufs if (n := self.names.get(b) or self.names.get(getattr(b, "_base", None)))],
-                       "sqrt": Ops.SQRT in ops, "exp": Ops.EXP2 in ops})
+                       "reads": reads, "sqrt": Ops.SQRT in ops, "exp": Ops.EXP2 in ops})
+    src = [self._name(bufs[i]) for i in ins if i < len(bufs)]
+    for i in outs:
+      if i >= len(bufs) or bufs[i] in self.fixed: continue
+      if len(set(src)) == 1 and src[0] and Ops.REDUCE not in ops: self.names[bufs[i]] = src[0]  # a pure unpack of one tensor
+      else: self.names.pop(bufs[i], None)
 
 def _timed_replays(step, args_fn, names: dict, repeat: int) -> tuple[list[dict], list[float]]:
   """Replay a captured step `repeat` times: per-kernel times (synchronous, one launch at a time) and plain wall times."""
