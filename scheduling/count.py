@@ -17,15 +17,20 @@ def _packed_bytes(obj) -> int:
 def decode_counts(model: Transformer) -> dict[str, dict[str, float]]:
   """{block kind: {kernels, bytes, packed}} for one decode token at position 7, plus the head with greedy sampling."""
   cfg, out, pos = model.cfg, {}, UOp.variable("start_pos", 0, model.max_ctx - 1).bind(7)
+  ds4 = hasattr(cfg, "compress_ratios")  # deepseek4: hyper-connection streams in, token id for hash routing
   for i, b in enumerate(model.blk):
-    kind = f"{'MLA' if cfg.mla else 'GQA'} {'MoE' if cfg.is_moe_layer(i) else 'dense'}" + \
+    if ds4:  # attention by compression ratio (window only / ratio 4 + indexer / ratio 128), routing by token hash or top-k
+      kind = f"DS4 {dict([(0, 'SWA'), (4, 'CSA'), (128, 'HCA')])[cfg.compress_ratios[i]]} {'hash-MoE' if i < cfg.n_hash_layer else 'MoE'}"
+    else: kind = f"{'MLA' if cfg.mla else 'GQA'} {'MoE' if cfg.is_moe_layer(i) else 'dense'}" + \
       (" sandwich" if hasattr(b, "post_attention_norm") else "") + (" SWA" if b.swa else "")  # gemma: extra norms, windowed mask
     if kind in out: continue
-    x = Tensor.empty(1, 1, cfg.dim).realize()
-    GlobalCounters.reset(); b(x, pos, model.rope_swa if b.swa else model.rope).realize()
+    x = Tensor.empty(1, 1, *((cfg.hc,) if ds4 else ()), cfg.dim).realize()
+    GlobalCounters.reset()
+    if ds4: b(x, UOp.variable("token", 0, cfg.n_vocab - 1).bind(1), pos, model.tabs).realize()
+    else: b(x, pos, model.rope_swa if b.swa else model.rope).realize()
     out[kind] = {"kernels": GlobalCounters.kernel_count, "bytes": GlobalCounters.global_mem, "packed": _packed_bytes(b)}
-  x = Tensor.empty(1, 1, cfg.dim).realize()
-  GlobalCounters.reset(); greedy(model.output(model.output_norm(x))[:, -1]).realize()
+  x = Tensor.empty(1, 1, *((cfg.hc,) if ds4 else ()), cfg.dim).realize()
+  GlobalCounters.reset(); greedy(model.output(model.output_norm(model.output_hc.head(x) if ds4 else x))[:, -1]).realize()
   out["head+sampling"] = {"kernels": GlobalCounters.kernel_count, "bytes": GlobalCounters.global_mem, "packed": _packed_bytes(model.output)}
   return out
 

@@ -104,7 +104,7 @@ def cmd_chat(args) -> int:
   from tg_ds4.engine import Engine
   sp = _sampling(args)
   gf, model, tok = _load(args)
-  template, engine, messages, cached = Template.from_gguf(gf), Engine(model), [], []
+  template, engine, messages = Template.from_gguf(gf), Engine(model), []
   print(f"chat with {gf.get('general.name') or gf.path.name} (Ctrl-C stops a reply, Ctrl-D quits)", file=sys.stderr)
   while True:
     try: line = input("> ")
@@ -117,19 +117,18 @@ def cmd_chat(args) -> int:
     if len(ids) >= model.max_ctx:
       print(f"the conversation is {len(ids)} tokens, over the context of {model.max_ctx}; start a new chat", file=sys.stderr)
       return 0
-    start = next((i for i, (a, b) in enumerate(zip(ids, cached)) if a != b), min(len(ids), len(cached)))  # reuse the cached prefix
+    start = engine.reusable(ids)  # the cached prefix is not run again
     reply: list[int] = []
     from tg_ds4.tokenizer import StreamDecoder
     dec = StreamDecoder(tok)
     try:
-      for t in engine.generate(ids, args.n_predict, sp, stop=set(tok.stop_ids), start_pos=min(start, len(ids) - 1)):
+      for t in engine.generate(ids, args.n_predict, sp, stop=set(tok.stop_ids), start_pos=start):
         if t in tok.stop_ids: break
         reply.append(t); sys.stdout.write(dec.feed(t)); sys.stdout.flush()
       sys.stdout.write(dec.flush())
     except KeyboardInterrupt: pass
     print()
     messages.append(assistant_message(tok.decode(reply)))
-    cached = (ids + reply)[:-1]  # the last token may not have been run through the model yet
 
 def cmd_bench(args) -> int:
   from tg_ds4 import bench

@@ -97,7 +97,11 @@ class Engine:
     for a, b in zip(prompt, self.cached):
       if a != b: break
       n += 1
-    return min(n, max(len(prompt) - 1, 0))
+    n = min(n, max(len(prompt) - 1, 0))
+    # ring caches (DeepSeek V4) keep only the last rows: restarting further back than `max_rewind` from the furthest row
+    # written (a padded prefill chunk may write PREFILL_CHUNK rows past the cached tokens) means prefilling from scratch
+    if (rewind := getattr(self.model, "max_rewind", None)) is not None and len(self.cached) + self.model.PREFILL_CHUNK - n > rewind: return 0
+    return n
 
   def generate(self, prompt: list[int], max_new: int, params: SamplingParams = SamplingParams(), stop: set[int] = frozenset(),
                start_pos: int = 0) -> Iterator[int]:
