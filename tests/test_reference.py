@@ -80,14 +80,34 @@ def test_quantized_matches_transformers_on_same_weights(fam, q):
   assert rel(r["prefill"], hfdq) <= 1e-3
   assert r["greedy"] == g["hf_greedy_ids"], "greedy continuation differs from transformers' on the same weights"
 
+# A greedy step is compared with llama.cpp only while llama.cpp's own top-2 margin is at least NEAR_TIE. With 8-bit
+# activation rounding, a difference in float summation order alone (same math) flips single roundings and moves
+# logits by 0.03-0.1 (test_rounding_noise_exceeds_near_tie); no engine that does not reproduce llama.cpp's exact
+# summation order can be held to a choice closer than that. models_and_peers.md section 5 prescribes the same rule.
+NEAR_TIE = 0.01
+
+def clear_prefix(margins: list[float]) -> int:
+  """Number of leading greedy steps whose top-2 margin is clear of NEAR_TIE."""
+  return next((i for i, m in enumerate(margins) if m < NEAR_TIE), len(margins))
+
 @pytest.mark.parametrize("fam,q", QUANT_FILES)
 def test_quantized_vs_llama_cpp(fam, q):
   """With llama.cpp's activation rounding: top-1 equal to llama.cpp's own run of the file on >= 95% of prompt
-  positions, and the 16-token greedy continuation identical."""
+  positions, logits within 0.15 (one flipped rounding or routing choice moves them by 0.03-0.1), and the greedy
+  continuation identical for as long as llama.cpp's top-2 margin is clear (NEAR_TIE)."""
   g, r = manifest(fam)["ggufs"][q], run(fam, q, llama_cpp=True)
   ll = np.load(ROOT / fam / g["logits"])
-  agree = float((r["prefill"].argmax(-1) == ll.argmax(-1)).mean())
+  agree, n = float((r["prefill"].argmax(-1) == ll.argmax(-1)).mean()), clear_prefix(g["greedy_top2_margin"])
   print(f"\n{fam} {q} vs llama.cpp: max|d| {np.abs(r['prefill'] - ll).max():.2e}, top-1 agreement {agree:.1%}, greedy "
-        f"{'identical' if r['greedy'] == g['greedy_ids'] else 'differs'}")
-  assert agree >= 0.95
-  assert r["greedy"] == g["greedy_ids"]
+        f"{'identical' if r['greedy'] == g['greedy_ids'] else 'differs'} (first {n} steps compared)")
+  assert agree >= 0.95 and np.abs(r["prefill"] - ll).max() <= 0.15
+  assert r["greedy"][:n] == g["greedy_ids"][:n]
+
+def test_rounding_noise_exceeds_near_tie():
+  """The evidence for NEAR_TIE: with llama.cpp's 8-bit activation rounding, tg_ds4's decode (GEMV) and prefill (GEMM)
+  compute the same math in different summation orders, and their logits still differ by more than 2 * NEAR_TIE on
+  some quantized file (while exact math keeps them within 1e-4, test_decode_matches_prefill)."""
+  noise = {f"{fam} {q}": float(np.abs(run(fam, q, llama_cpp=True)["decode"] - run(fam, q, llama_cpp=True)["prefill"]).max())
+           for fam, q in QUANT_FILES}
+  print("\ndecode vs prefill under llama.cpp rounding: " + ", ".join(f"{k} {v:.1e}" for k, v in noise.items()))
+  assert max(noise.values()) > 2 * NEAR_TIE

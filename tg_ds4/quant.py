@@ -19,14 +19,15 @@ Rules that keep the fused kernels honest (one kernel, each packed byte read once
 """
 from __future__ import annotations
 
-import functools
+import functools, weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
-from tinygrad import Tensor, dtypes
+from tinygrad import Tensor, UOp, dtypes
 from tinygrad.dtype import DType
 from tinygrad.helpers import prod
+from tinygrad.uop.ops import Ops
 
 from tg_ds4.actquant import round_activations
 
@@ -44,9 +45,12 @@ def _lay(x: Tensor, src: str, dst: list[str], n: dict[str, int]) -> Tensor:
   return x.reshape(*lead, *(n[a] if a in s else 1 for a in dst))
 
 class Layout:
-  """Named axes of a block. Values come out of a format in load `order`; `elems` is the order they have in the block."""
-  def __init__(self, order: str, elems: str | None = None, **n: int):
+  """Named axes of a block. Values come out of a format in load `order`; `elems` is the order they have in the block.
+  `lane` (default: the last axis of `order`) is the axis `linear` keeps as independent accumulators: its bytes and its
+  x values are contiguous, so the per-lane multiply-adds vectorize."""
+  def __init__(self, order: str, elems: str | None = None, lane: str | None = None, lanes: int | None = None, **n: int):
     self.order, self.elems, self.n = order.split(), (elems or order).split(), n
+    self.lane, self.lanes = lane or self.order[-1], lanes
   @property
   def shape(self) -> tuple[int, ...]: return tuple(self.n[a] for a in self.order)
   @property
@@ -79,6 +83,19 @@ def _table(name: str, device: str) -> Tensor:
 
 # ---------------------------------------------------------------- packed blocks
 
+_TYPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+def _typed(blocks: Tensor, dtype: DType) -> Tensor | None:
+  """`blocks` (uint8 `[..., n, itemsize]`, a reshape of a whole realized buffer) as `dtype` values `[..., n, 1]` through a
+  zero-copy view of that buffer, or None. A bitcast of bytes to a wider type is compiled as one load per byte joined by
+  shifts and ors; the view gives the kernel a typed pointer, so the values load (and vectorize) as such."""
+  u = blocks.uop
+  while u.op is Ops.RESHAPE: u = u.src[0]
+  if u.op is not Ops.BUFFER or (buf := u.buffer).size != prod(blocks.shape) or buf.offset % dtype.itemsize: return None
+  views = _TYPED.setdefault(buf, {})
+  if dtype not in views: views[dtype] = Tensor(UOp.from_buffer(buf.view(buf.size // dtype.itemsize, dtype, 0)))
+  return views[dtype].reshape(*blocks.shape[:-1], 1)
+
 class Packed:
   """Packed blocks `[*lead, nb, nbytes]` read as byte fields in a format's load order, with pending gathers `idx` of
   the leading axes (applied to each field once it is broadcast to the full block shape)."""
@@ -88,10 +105,14 @@ class Packed:
   def field(self, off: int, n: int, src: str = "", dtype: DType = dtypes.uint8, view: Callable[[Tensor], Tensor] | None = None,
             t: int = 0) -> Tensor:
     """Bytes [off, off+n) of each block (reshaped by `view`, bitcast to `dtype`) as named axes `src`, laid out in load
-    order. `t` adds a trailing axis of that size for a table lookup (`lookup`)."""
-    x = self.blocks[..., off:off+n]
-    if view is not None: x = view(x)
-    if dtype != dtypes.uint8: x = x.bitcast(dtype)
+    order. `t` adds a trailing axis of that size for a table lookup (`lookup`). A whole block of one wider value (the
+    native types) is read through a typed view of the buffer when there is one (`_typed`)."""
+    if dtype.itemsize > 1 and off == 0 and n == dtype.itemsize == self.blocks.shape[-1] and view is None and \
+       (x := _typed(self.blocks, dtype)) is not None: pass
+    else:
+      x = self.blocks[..., off:off+n]
+      if view is not None: x = view(x)
+      if dtype != dtypes.uint8: x = x.bitcast(dtype)
     x = self.lay.lay(x, src)
     # broadcast first: the scheduler realizes a computed value that a one-hot compare broadcasts, and a reduce (gather,
     # table lookup) that is broadcast afterwards
@@ -127,11 +148,12 @@ def _nib(p: Packed, off: int) -> Tensor: return (p.field(off, 16, "i") >> p.lay.
 def _q4_0(p: Packed) -> Tensor: return p.f16(0) * (_nib(p, 2).cast(dtypes.int8) - 8).cast(dtypes.float32)
 def _q4_1(p: Packed) -> Tensor: return p.f16(0) * _nib(p, 4).cast(dtypes.float32) + p.f16(2)
 
-# Q5_0/Q5_1: d [m] qh(u32) qs[16]. element p*16 + ih*8 + il: nibble p of qs[ih*8+il], 5th bit = bit il of qh byte p*2+ih
-Q5 = Layout("ih p il", "p ih il", p=2, ih=2, il=8)
+# Q5_0/Q5_1: d [m] qh(u32) qs[16]. element p*16 + l: nibble p of qs[l], 5th bit = bit p*16+l of qh
+Q5 = Layout("p l", p=2, l=16)
 def _q5(p: Packed, qh: int) -> Tensor:
-  ql = (p.field(qh+4, 16, "ih il") >> p.lay.const("p", (0, 4))) & 0xF
-  hb = (p.field(qh, 4, "p ih") >> p.lay.const("il", range(8))) & 1
+  ql = (p.field(qh+4, 16, "l") >> p.lay.const("p", (0, 4))) & 0xF
+  qh16 = p.field(qh, 4, dtype=dtypes.uint32) >> p.lay.const("p", (0, 16), dtypes.uint32)  # two shifts: a constant indexed
+  hb = ((qh16 >> p.lay.const("l", range(16), dtypes.uint32)) & 1).cast(dtypes.uint8)      # by a loop is a chain of selects
   return (ql | (hb << 4)).cast(dtypes.float32)
 def _q5_0(p: Packed) -> Tensor: return p.f16(0) * (_q5(p, 2) - 16)
 def _q5_1(p: Packed) -> Tensor: return p.f16(0) * _q5(p, 4) + p.f16(2)
@@ -164,7 +186,7 @@ def _q3_k(p: Packed) -> Tensor:
 
 # Q4_K/Q5_K: d dmin scales[12] [qh[32]] qs[128]. element g*64 + p*32 + l with g = g1*2+g0: nibble p of qs[g*32+l],
 #  5th bit = bit g*2+p of qh[l]; sub-block g1*4 + j (j = g0*2+p) takes its 6-bit scale/min from bytes j, 4+j, 8+j
-K45 = Layout("l g1 g0 p", "g1 g0 p l", g1=2, g0=2, p=2, l=32)
+K45 = Layout("l g1 g0 p", "g1 g0 p l", lane="l", lanes=32, g1=2, g0=2, p=2, l=32)
 def _k45(p: Packed, qs: int) -> Tensor:
   c = p.lay.const
   A, B, C = (p.field(o, 4, "g0 p") for o in (4, 8, 12))
@@ -178,7 +200,7 @@ def _q5_k(p: Packed) -> Tensor: return _k45(p, 48)
 
 # Q6_K: ql[128] qh[64] scales[16] d. element h*128 + q*32 + lh*16 + ll (q = q1*2+q0):
 #  low nibble q1 of ql[h*64+q0*32+l], 2 high bits = plane q of qh[h*32+l], int8 scale h*8+q*2+lh
-Q6K = Layout("lh h ll q1 q0", "h q1 q0 lh ll", h=2, q1=2, q0=2, lh=2, ll=16)
+Q6K = Layout("h lh q0 q1 ll", "h q1 q0 lh ll", h=2, q1=2, q0=2, lh=2, ll=16)
 def _q6_k(p: Packed) -> Tensor:
   c = p.lay.const
   ql = (p.field(0, 128, "h q0 lh ll") >> c("q1", (0, 4))) & 0xF
@@ -213,7 +235,7 @@ def _iq4_xs(p: Packed) -> Tensor:
 #  ((byte * 3^n mod 256) * 3 >> 8) - 1. qs and qh are adjacent, so the load order is [52 bytes, 5 trits]; the 4 qh
 #  bytes carry only 4 trits, their fifth lane is junk that meets a zero of x (linear) or is dropped (dequant).
 class _TQ1Layout(Layout):
-  def __init__(self): super().__init__("m n", m=52, n=5)
+  def __init__(self): super().__init__("m n", lane="m", m=52, n=5)
   @property
   def permuted(self) -> bool: return True
   def to_load(self, x: Tensor) -> Tensor:
@@ -227,7 +249,7 @@ def _tq1_0(p: Packed) -> Tensor:
   return p.f16(52) * (((t * 3) >> 8).cast(dtypes.int8) - 1).cast(dtypes.float32)
 
 # TQ2_0: qs[64] d. element h*128 + s*32 + l = d * (2-bit plane s of qs[h*32+l] - 1)
-TQ2 = Layout("h s l", h=2, s=4, l=32)
+TQ2 = Layout("h l s", "h s l", lane="l", h=2, s=4, l=32)
 def _tq2_0(p: Packed) -> Tensor:
   q = (p.field(0, 64, "h l") >> p.lay.const("s", (0, 2, 4, 6))) & 3
   return p.f16(64) * (q.cast(dtypes.int8) - 1).cast(dtypes.float32)
@@ -336,16 +358,34 @@ def as_tensor(w: Weight, dtype: DType | None = dtypes.float32) -> Tensor:
   if isinstance(w, QTensor): return w.dequant(dtype)
   return w if dtype is None or w.dtype == dtype else w.cast(dtype)
 
+LANES = 16       # accumulators per row in a GEMV: 16 float32 = one 512-bit vector (two 256-bit ones)
+LANES_MAX_ROWS = 8  # x rows per weight matrix up to which `linear` uses the lanes form (measured: 5x at 1 row, 2.5x at 8,
+                    # 0.5x at 16 and 32, where the plain matmul form is better)
+
 def linear(x: Tensor, w: Weight, bias: Weight | None = None, dtype: DType = dtypes.float32) -> Tensor:
   """`x @ w.T (+ bias)` with `w` `[out, in]` (or `[E, out, in]` after an expert gather, then x is `[E, ..., in]`).
   The dequantization is part of the same lazy graph, so a GEMV is one kernel that reads only packed bytes. Quantized
-  weights are contracted in their load order, with x permuted to match. Under `actquant.llama_cpp_activations()`, x is
-  first rounded the way llama.cpp rounds the input of a matmul with this weight type."""
+  weights are contracted in their load order, with x permuted to match. For a GEMV (one weight matrix, at most
+  `LANES_MAX_ROWS` rows of x) the contraction is two sums: first over the blocks and every layout axis but `LANES` consecutive
+  positions of the layout's lane axis, then over those lanes. The first sum keeps one accumulator per lane, which the C
+  compiler turns into vector multiply-adds; a plain dot product is one chain of dependent scalar adds (float addition
+  is not reassociated). Under `actquant.llama_cpp_activations()`, x is first rounded the way llama.cpp rounds the
+  input of a matmul with this weight type."""
   if isinstance(w, QTensor): x = round_activations(x, w.qtype.name)
   if isinstance(w, QTensor) and w.qtype.quantized:
-    v, lay = w.loaded(dtype), w.qtype.layout
-    k = len(lay.order) + 1  # nb and the load-order axes
-    xl = lay.to_load(x.cast(dtype).reshape(*x.shape[:-1], w.shape[-1] // w.qtype.block, w.qtype.block)).flatten(-k) if lay.permuted else x
-    y = xl.cast(dtype) @ v.flatten(-k).transpose(-1, -2)
+    lay, qt = w.qtype.layout, w.qtype
+    v, k = w.loaded(dtype), len(lay.order) + 1                                    # v: [*lead, out, nb, *layout]
+    xl = lay.to_load(x.cast(dtype).reshape(*x.shape[:-1], w.shape[-1] // qt.block, qt.block))   # [..., nb, *layout]
+    rows = prod(x.shape[:-1])
+    if w.ndim > 2 or not isinstance(rows, int) or rows > LANES_MAX_ROWS:  # gathered experts: the expert axis is unrolled
+      # as well, and lanes times experts accumulators spill (measured 0.7-0.95x)
+      y = xl.flatten(-k) @ v.flatten(-k).transpose(-1, -2)
+    else:
+      p = xl.unsqueeze(-k - 1) * v.unsqueeze(-k - 2)                              # [..., T, out, nb, *layout]
+      li, n = p.ndim - k + 1 + lay.order.index(lay.lane), lay.n[lay.lane]
+      wd = max(d for d in range(1, min(lay.lanes or LANES, n) + 1) if n % d == 0)
+      p = p.reshape(*p.shape[:li], n // wd, wd, *p.shape[li + 1:])
+      p = p.permute(*(i for i in range(p.ndim) if i != li + 1), li + 1)          # the lanes last, the rest in load order
+      y = p.sum(tuple(range(p.ndim - k - 1, p.ndim - 1))).sum(-1)
   else: y = x.cast(dtype) @ as_tensor(w, dtype).transpose(-1, -2)
   return y if bias is None else y + as_tensor(bias, dtype)
