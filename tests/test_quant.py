@@ -159,3 +159,36 @@ def test_expert_gather_one_kernel_packed_bytes(name):
 if __name__ == "__main__":
   assert os.environ.get("DEV") == "NULL", "run with DEV=NULL"
   print(json.dumps(null_measure(sys.argv[1:])))
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q5_0", "F32"])
+def test_fuse_rows_equals_its_parts(name):
+  """layers.fuse_rows (q|k and gate|up of dense GQA blocks): the fused Linear's output is the parts' outputs side by side,
+  for one token (the lanes GEMV) and a chunk (the dequantize-once GEMM), and the parts still compute the same through
+  their views of the fused bytes."""
+  from tg_ds4.layers import Linear, fusable, fuse_rows
+  rng, qt = np.random.default_rng(5), QTYPE_BY_NAME[name]
+  parts = []
+  for n in (48, 16):
+    w = rng.standard_normal((n, 64)).astype(np.float32)
+    raw = np.ascontiguousarray(quants.quantize(w, GGMLQuantizationType[name])).view(np.uint8)
+    lin = Linear(64, n, bias=True)
+    lin.weight = QTensor(Tensor(raw.reshape(n, 64 // qt.block, qt.nbytes)), qt, (n, 64))
+    lin.bias = Tensor(rng.standard_normal(n).astype(np.float32))
+    parts.append(lin)
+  xs = [Tensor(rng.standard_normal((1, t, 64)).astype(np.float32)) for t in (1, 5)]
+  before = [[p(x).numpy() for p in parts] for x in xs]
+  assert fusable(*parts)
+  fused = fuse_rows(*parts)
+  for x, ref in zip(xs, before):
+    np.testing.assert_allclose(fused(x).numpy(), np.concatenate(ref, axis=-1), rtol=1e-5, atol=1e-5)
+    for p, r in zip(parts, ref): np.testing.assert_allclose(p(x).numpy(), r, rtol=1e-6, atol=1e-6)
+
+def test_unlike_weights_are_not_fusable():
+  from tg_ds4.layers import Linear, fusable
+  a, b = Linear(64, 8), Linear(64, 8, bias=True)
+  a.weight = b.weight = QTensor(Tensor.zeros(8, 2, 18, dtype=dtypes.uint8).contiguous(), QTYPE_BY_NAME["Q4_0"], (8, 64))
+  b.bias = Tensor.zeros(8)
+  assert not fusable(a, b)
+  b.bias = None
+  b.weight = QTensor(Tensor.zeros(8, 2, 20, dtype=dtypes.uint8).contiguous(), QTYPE_BY_NAME["Q4_1"], (8, 64))
+  assert not fusable(a, b)

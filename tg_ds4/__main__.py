@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from tg_ds4.gguf import GGUFError
@@ -196,12 +197,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-context", type=int, default=4096, help="KV cache length (default 4096, capped at the model's)")
   s = sub.add_parser("generate", help="continue a prompt, streaming only the generated text to stdout")
   s.add_argument("-m", "--model", default="smollm2", help="path to a .gguf file or a short model name (default smollm2)")
+  add_beam(s)
   s.add_argument("-p", "--prompt", required=True, help="the prompt text")
   s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user message")
   sampling_args(s)
   s.set_defaults(fn=cmd_generate)
   s = sub.add_parser("chat", help="interactive multi-turn chat using the model's template")
   s.add_argument("-m", "--model", default="smollm2", help="path to a .gguf file or a short model name (default smollm2)")
+  add_beam(s)
   s.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
                  help="reasoning on/off (template variables thinking / enable_thinking; default: the template's own)")
   sampling_args(s)
@@ -214,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
   s.set_defaults(fn=cmd_tokenize)
   s = sub.add_parser("bench", help="prefill/decode tok/s, kernels and bytes per step, GB/s; optionally against llama.cpp")
   s.add_argument("-m", "--model", default="smollm2", help="path to a .gguf file or a short model name (default smollm2)")
+  add_beam(s)
   s.add_argument("--prompt-tokens", type=int, default=128)
   s.add_argument("--gen", type=int, default=64)
   s.add_argument("--repeat", type=int, default=3)
@@ -222,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
   s.set_defaults(fn=cmd_bench)
   s = sub.add_parser("profile", help="time one decode step (and a prefill chunk) kernel by kernel, by block and op; CSV/JSON/PNG")
   s.add_argument("-m", "--model", default="smollm2", help="path to a .gguf file or a short model name (default smollm2)")
+  add_beam(s)
   s.add_argument("--pos", type=int, help="decode position: the step attends over pos+1 cache rows (default 127, or the context's end)")
   s.add_argument("--repeat", type=int, default=10, help="replays per kernel timing; the median is kept (default 10)")
   s.add_argument("--prefill", action="store_true", help="also profile one JIT prefill chunk")
@@ -230,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
   s.set_defaults(fn=cmd_profile)
   s = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server (one inference worker, streaming, prefix KV reuse)")
   s.add_argument("-m", "--model", default="smollm2", help="path to a .gguf file or a short model name (default smollm2)")
+  add_beam(s)
   s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
   s.add_argument("--port", type=int, default=8000)
   s.add_argument("--max-context", type=int, default=4096, help="KV cache length (default 4096, capped at the model's)")
@@ -244,8 +250,16 @@ def build_parser() -> argparse.ArgumentParser:
   s.set_defaults(fn=cmd_models)
   return p
 
+def add_beam(s: argparse.ArgumentParser) -> None:
+  s.add_argument("--beam", type=int, default=0, metavar="N",
+                 help="tune the captured kernels with tinygrad's BEAM search of width N (JITBEAM). The first run of a model "
+                      "and context searches for minutes; tinygrad caches the results (~/.cache/tinygrad), later runs start at once")
+
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
+  if getattr(args, "beam", 0):  # read by tinygrad when a TinyJit captures, so it must be set before the first step
+    os.environ["JITBEAM"] = str(args.beam)
+    print(f"tg_ds4: kernels tuned with BEAM={args.beam} (searching on a first run, cached afterwards)", file=sys.stderr)
   from tg_ds4.registry import ModelNotFound
   try: return args.fn(args)
   except (GGUFError, ModelNotFound, UsageError) as e:

@@ -26,15 +26,20 @@ class GQA:
   def __call__(self, x: Tensor, start_pos: int | UOp, rope: Tensor) -> Tensor:
     cfg, (B, T, _) = self.cfg, x.shape
     H, KV, D, R = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.rope.dim
-    q = self.attn_q(x).reshape(B, T, H, D)
-    k = self.attn_k(x).reshape(B, T, KV, D)
+    if hasattr(self, "attn_qk"): q, k = self.attn_qk(x).split([H * D, KV * D], dim=-1)  # fused at load (model.Block.fuse)
+    else: q, k = self.attn_q(x), self.attn_k(x)
+    q, k = q.reshape(B, T, H, D), k.reshape(B, T, KV, D)
     if hasattr(self, "attn_q_norm"): q, k = self.attn_q_norm(q), self.attn_k_norm(k)
     q = apply_rope(q[..., :R], rope, start_pos, cfg.rope.type).cat(q[..., R:], dim=-1) if R < D else apply_rope(q, rope, start_pos, cfg.rope.type)
     k = apply_rope(k[..., :R], rope, start_pos, cfg.rope.type).cat(k[..., R:], dim=-1) if R < D else apply_rope(k, rope, start_pos, cfg.rope.type)
     kv = write_cache(self.cache, k.cat(self.attn_v(x).reshape(B, T, KV, cfg.v_head_dim), dim=-1), start_pos)   # [B,S,KV,D+Dv]
     k, v = kv[..., :D].transpose(1, 2), kv[..., D:].transpose(1, 2)                                               # [B,KV,S,*]
     q = q.transpose(1, 2).reshape(B, KV, H // KV, T, D)                  # heads grouped by the KV head they share
-    scores = (q @ k.unsqueeze(2).transpose(-1, -2)) * cfg.kq_scale       # [B,KV,G,T,S]
+    if T == 1 and D % 16 == 0:  # decode: 16 lane accumulators per score, as in quant.linear (vector multiply-adds)
+      prod = (q.unsqueeze(-2) * k.unsqueeze(2).unsqueeze(3)).reshape(B, KV, H // KV, T, k.shape[2], D // 16, 16)
+      scores = prod.sum(-2).sum(-1) * cfg.kq_scale
+    else:  # a chunk: q is used by every key position, so materialize it once instead of recomputing its RoPE per key
+      scores = (q.contiguous() @ k.unsqueeze(2).transpose(-1, -2)) * cfg.kq_scale  # [B,KV,G,T,S]
     if (mask := causal_mask(T, start_pos, self.window)) is not None: scores = scores + mask
     o = (scores.softmax(-1) @ v.unsqueeze(2)).reshape(B, H, T, cfg.v_head_dim)
     return self.attn_output(o.transpose(1, 2).reshape(B, T, H * cfg.v_head_dim))

@@ -77,7 +77,8 @@ def run(model: str, prompt_tokens: int = 128, gen: int = 64, repeat: int = 3, vs
   tok = Tokenizer.from_gguf(gf)
   prompt = _prompt(tok, prompt_tokens)
   res = {"model": model, "file": str(path), "prompt_tokens": prompt_tokens, "gen": gen, "repeat": repeat,
-         "threads": int(os.environ.get("NUM_CPU_THREADS", os.cpu_count() or 1)), "tg_ds4": bench_tg(path, prompt, gen, repeat)}
+         "threads": int(os.environ.get("NUM_CPU_THREADS", os.cpu_count() or 1)), "beam": int(os.environ.get("JITBEAM", 0)),
+         "tg_ds4": bench_tg(path, prompt, gen, repeat)}
   res["read_gbps"] = read_bandwidth()
   res["tg_ds4"]["bandwidth_fraction"] = res["tg_ds4"]["gbps"] / res["read_gbps"]
   if vs_llama_cpp:
@@ -87,7 +88,8 @@ def run(model: str, prompt_tokens: int = 128, gen: int = 64, repeat: int = 3, vs
 
 def format_text(r: dict) -> str:
   t = r["tg_ds4"]
-  lines = [f"{r['model']}: {r['prompt_tokens']}-token prompt, {r['gen']} generated, medians over {r['repeat']} runs",
+  lines = [f"{r['model']}: {r['prompt_tokens']}-token prompt, {r['gen']} generated, medians over {r['repeat']} runs"
+           + (f", kernels tuned with BEAM={r['beam']}" if r.get("beam") else ", heuristic kernels"),
            f"  tg_ds4     prefill {t['prefill_tps']:8.1f} tok/s   decode {t['decode_tps']:7.2f} tok/s ({t['ms_per_token']:.1f} ms/token)",
            f"             {t['kernels_per_step']} kernels/step, {t['bytes_per_step'] / 1e6:.1f} MB/step, {t['gbps']:.2f} GB/s "
            f"= {100 * t['bandwidth_fraction']:.1f}% of this machine's {r['read_gbps']:.1f} GB/s streaming read"]

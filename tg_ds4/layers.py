@@ -41,6 +41,33 @@ class Linear:
       return linear(round_activations(x, w.qtype.name), w.dequant(dtypes.float32).contiguous(), self.bias)
     return linear(x, w, self.bias)
 
+def fusable(*parts: Linear) -> bool:
+  """The weights of `parts` are one kind (one packed format or one dtype, one input width, 2-D, all with or all
+  without bias), so their rows can be stacked into one weight."""
+  return len({(type(w := p.weight), w.qtype if isinstance(w, QTensor) else w.dtype, tuple(w.shape[1:]), p.bias is None)
+              for p in parts}) == 1 and len(parts[0].weight.shape) == 2
+
+def _stack_rows(ws: list[Weight]) -> tuple[Weight, list[Weight]]:
+  """`ws` (one kind, same trailing shape) stacked along the first axis into one realized weight, and views of it for
+  each part."""
+  data = [w.blocks if isinstance(w, QTensor) else w for w in ws]
+  whole = data[0].cat(*data[1:]).contiguous().realize()
+  wrap = (lambda t: QTensor(t, ws[0].qtype, (t.shape[0], *ws[0].shape[1:]))) if isinstance(ws[0], QTensor) else (lambda t: t)
+  offs = [0] + [sum(w.shape[0] for w in ws[:i + 1]) for i in range(len(ws))]
+  return wrap(whole), [wrap(whole[offs[i]:offs[i + 1]]) for i in range(len(ws))]
+
+def fuse_rows(*parts: Linear) -> Linear:
+  """One Linear computing `parts` side by side (their output rows stacked in order; see `fusable`). The bytes move into
+  the fused weight and each part keeps a view of its rows, so memory does not grow."""
+  assert fusable(*parts), parts
+  fused = Linear(parts[0].weight.shape[1], sum(p.weight.shape[0] for p in parts), bias=parts[0].bias is not None)
+  fused.weight, views = _stack_rows([p.weight for p in parts])
+  for p, v in zip(parts, views): p.weight = v
+  if fused.bias is not None:
+    fused.bias, views = _stack_rows([p.bias for p in parts])
+    for p, v in zip(parts, views): p.bias = v
+  return fused
+
 class RMSNorm:
   def __init__(self, dim: int, eps: float): self.weight, self.eps = Param(dim), eps
   def __call__(self, x: Tensor, per_element: bool = False) -> Tensor:

@@ -43,6 +43,9 @@ class FFN:
     for n, (i, o) in {"gate": (dim, hidden), "up": (dim, hidden), "down": (hidden, dim)}.items(): setattr(self, f"ffn_{n}{suffix}", Linear(i, o))
   def __call__(self, x: Tensor) -> Tensor:
     s = self.suffix
+    if hasattr(self, "ffn_gate_up"):  # fused at load (model.Block.fuse): one GEMV, then the activation as its own kernel,
+      g, u = self.ffn_gate_up(x).split(2 * [self.ffn_up.weight.shape[0]], dim=-1)  # else ffn_down recomputes it per row
+      return self.ffn_down(((g.gelu() if self.act == "gelu" else g.silu()) * u).contiguous())
     g = getattr(self, f"ffn_gate{s}")(x)
     return getattr(self, f"ffn_down{s}")((g.gelu() if self.act == "gelu" else g.silu()) * getattr(self, f"ffn_up{s}")(x))
 
