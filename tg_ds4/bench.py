@@ -72,7 +72,11 @@ def run(model: str, prompt_tokens: int = 128, gen: int = 64, repeat: int = 3, vs
   from tg_ds4.config import ModelConfig
   path = resolve(model)
   gf = GGUFFile(path)
-  if prompt_tokens + gen + 8 > (ctx := ModelConfig.from_gguf(gf).ctx_len):
+  if gf.arch == "deepseek4":
+    from tg_ds4.ds4 import DS4Config
+    ctx = DS4Config.from_gguf(gf).ctx_len
+  else: ctx = ModelConfig.from_gguf(gf).ctx_len
+  if prompt_tokens + gen + 8 > ctx:
     raise BenchError(f"{path}: {prompt_tokens} prompt + {gen} generated tokens do not fit its context of {ctx} (lower --prompt-tokens/--gen)")
   tok = Tokenizer.from_gguf(gf)
   prompt = _prompt(tok, prompt_tokens)
@@ -84,6 +88,8 @@ def run(model: str, prompt_tokens: int = 128, gen: int = 64, repeat: int = 3, vs
   if vs_llama_cpp:
     res["llama_cpp"] = bench_llama_cpp(path, prompt, gen, repeat, threads=min(2, os.cpu_count() or 1))
     res["ratio"] = {k: res["tg_ds4"][k] / res["llama_cpp"][k] for k in ("prefill_tps", "decode_tps")}
+    # llama.cpp reads the same weights per token; its GB/s is estimated from tg_ds4's measured bytes per step
+    res["llama_cpp"]["gbps_est"] = res["tg_ds4"]["bytes_per_step"] * res["llama_cpp"]["decode_tps"] / 1e9
   return res
 
 def format_text(r: dict) -> str:
@@ -95,6 +101,7 @@ def format_text(r: dict) -> str:
            f"= {100 * t['bandwidth_fraction']:.1f}% of this machine's {r['read_gbps']:.1f} GB/s streaming read"]
   if "llama_cpp" in r:
     lc = r["llama_cpp"]
-    lines += [f"  llama.cpp  prefill {lc['prefill_tps']:8.1f} tok/s   decode {lc['decode_tps']:7.2f} tok/s ({lc['ms_per_token']:.1f} ms/token)",
+    lines += [f"  llama.cpp  prefill {lc['prefill_tps']:8.1f} tok/s   decode {lc['decode_tps']:7.2f} tok/s ({lc['ms_per_token']:.1f} ms/token), "
+              f"~{lc['gbps_est']:.2f} GB/s at the same bytes per token",
               f"  tg_ds4 / llama.cpp: prefill {r['ratio']['prefill_tps']:.3f}x, decode {r['ratio']['decode_tps']:.3f}x"]
   return "\n".join(lines)
