@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools, math, pathlib
 from dataclasses import dataclass
 
-from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
+from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.function import function
 
 from tg_ds4 import actquant
@@ -48,6 +48,7 @@ from tg_ds4.layers import Embedding, Linear, Param, Params, RMSNorm, load_weight
 from tg_ds4.moe import MoE
 from tg_ds4.quant import QTensor, Weight, as_tensor, linear
 from tg_ds4.rope import apply_rope, rope_table
+from tg_ds4.replay import Jit
 
 NEG = -3.4028234663852886e38  # float32 min: masked logits stay finite, so fully masked rows softmax to numbers
 
@@ -447,9 +448,9 @@ class DS4Transformer:
     conj = Tensor([1.0, -1.0], device=device)
     model.tabs = Tables(main, comp, (main * conj).realize(), (comp * conj).realize())
     for b in model.blk: b.attn.init_cache(model.max_ctx, C, device)
-    model.decode_jit = TinyJit(lambda t, sp: model.forward(t, sp).realize())
-    model.prefill_jit = TinyJit(lambda t, sp, sel: model.forward(t, sp, select=sel).realize())
-    model.chunk_jit = TinyJit(lambda t, sp: model.forward(t, sp).realize())
+    model.decode_jit = Jit(lambda t, sp: model.forward(t, sp).realize())
+    model.prefill_jit = Jit(lambda t, sp, sel: model.forward(t, sp, select=sel).realize())
+    model.chunk_jit = Jit(lambda t, sp: model.forward(t, sp).realize())
     return model
 
   def forward(self, tokens: Tensor | UOp, start_pos: int | UOp, last_only: bool = False, select: Tensor | None = None) -> Tensor:

@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 from math import prod
 
 import numpy as np
-from tinygrad import Tensor, TinyJit, UOp, dtypes
+from tinygrad import Tensor, UOp, dtypes
 from tinygrad.device import Buffer
 from tinygrad.dtype import _to_np_dtype
 
 from tg_ds4.model import Transformer
 from tg_ds4.sampling import SamplingParams, greedy, sample
+from tg_ds4.replay import Jit
 
 MAX_TOP_LOGPROBS = 20
 TOP_LOGPROBS_BUCKETS = (0, 5, MAX_TOP_LOGPROBS)  # k is rounded up to one of these and the extra entries dropped on the host
@@ -77,17 +78,17 @@ class Engine:
     m = self.model
     self._pos = lambda p: UOp.variable("start_pos", 0, m.max_ctx - 1).bind(p)
     self._tok = lambda t: UOp.variable("token", 0, m.cfg.n_vocab - 1).bind(t)  # a variable: the embedding reads one row
-    self._greedy_step = TinyJit(lambda tok, sp: greedy(m.forward(tok, sp, last_only=True)[:, -1]).realize())
-    self._sample_step = TinyJit(lambda tok, sp, t, k, p, mp, rng: sample(m.forward(tok, sp, last_only=True)[:, -1], t, k, p, mp, rng).realize())
-    self._lp_steps: dict[tuple[bool, int], TinyJit] = {}  # (greedy, k) -> step that also returns logprobs; built on first use
+    self._greedy_step = Jit(lambda tok, sp: greedy(m.forward(tok, sp, last_only=True)[:, -1]).realize())
+    self._sample_step = Jit(lambda tok, sp, t, k, p, mp, rng: sample(m.forward(tok, sp, last_only=True)[:, -1], t, k, p, mp, rng).realize())
+    self._lp_steps: dict[tuple[bool, int], Jit] = {}  # (greedy, k) -> step that also returns logprobs; built on first use
 
-  def _lp_step(self, is_greedy: bool, k: int) -> TinyJit:
+  def _lp_step(self, is_greedy: bool, k: int) -> Jit:
     if (key := (is_greedy, k)) not in self._lp_steps:
       m = self.model
       def step(tok, sp, *sargs):
         logits = m.forward(tok, sp, last_only=True)[:, -1]
         return _with_logprobs(logits, greedy(logits) if is_greedy else sample(logits, *sargs), k).realize()
-      self._lp_steps[key] = TinyJit(step)
+      self._lp_steps[key] = Jit(step)
     return self._lp_steps[key]
 
   def reusable(self, prompt: list[int]) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses, pathlib
 
-from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
+from tinygrad import Device, Tensor, UOp, dtypes
 
 from tg_ds4 import actquant
 from tg_ds4.attention import GQA
@@ -15,6 +15,7 @@ from tg_ds4.layers import Embedding, Linear, RMSNorm, fusable, fuse_rows, load_w
 from tg_ds4.mla import MLA
 from tg_ds4.moe import FFN, MoE
 from tg_ds4.rope import rope_table
+from tg_ds4.replay import Jit
 
 
 class Block:
@@ -79,8 +80,8 @@ class Transformer:
     model.rope = rope_table(cfg.rope, rows, device)
     model.rope_swa = rope_table(dataclasses.replace(cfg.rope, base=cfg.rope_base_swa), rows, device) if cfg.swa_layers else None
     for b in model.blk: b.attn.init_cache(rows, device)
-    model.decode_jit = TinyJit(model._decode)
-    model.prefill_jit = TinyJit(lambda t, sp, sel: model.forward(t, sp, select=sel).realize())
+    model.decode_jit = Jit(model._decode)
+    model.prefill_jit = Jit(lambda t, sp, sel: model.forward(t, sp, select=sel).realize())
     return model
 
   def forward(self, tokens: Tensor | UOp, start_pos: int | UOp, last_only: bool = False, select: Tensor | None = None) -> Tensor:

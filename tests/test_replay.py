@@ -1,0 +1,43 @@
+"""tg_ds4.replay.Jit: the fast CPU replay runs exactly what tinygrad's executor runs. Logits bitwise equal at every
+position (the position is symbolic), the same GlobalCounters per step, the same generated tokens."""
+import pathlib
+
+import numpy as np
+import pytest
+from tinygrad import Device, GlobalCounters, Tensor, dtypes
+
+from tg_ds4.engine import Engine
+from tg_ds4.model import Transformer
+from tg_ds4.replay import FastCPUReplay
+from tg_ds4.sampling import SamplingParams
+
+FIX = pathlib.Path(__file__).parent / "fixtures"
+FILES = [FIX / "deepseek2/ds3/ds3-Q4_0.gguf", FIX / "deepseek4/flash/flash-MXFP4.gguf"]
+
+def steps(path, fast: bool, monkeypatch, n: int = 40):
+  monkeypatch.setenv("TG_DS4_FAST_REPLAY", "1" if fast else "0")
+  m, out = Transformer.from_gguf(path, max_ctx=64), []
+  for i in range(n):
+    GlobalCounters.reset()
+    logits = m.decode(Tensor([[(7 * i) % 50 + 1]], dtype=dtypes.int32), i).numpy()
+    out.append((logits, GlobalCounters.kernel_count, GlobalCounters.global_mem))
+  assert (type(m.decode_jit.captured) is FastCPUReplay) == fast
+  return out
+
+@pytest.mark.skipif(Device.DEFAULT != "CPU", reason="the fast replay is for tinygrad's CPU device")
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
+def test_fast_replay_equals_tinygrad(path, monkeypatch):
+  slow, fast = steps(path, False, monkeypatch), steps(path, True, monkeypatch)
+  for i, ((a, ka, ma), (b, kb, mb)) in enumerate(zip(slow, fast)):
+    np.testing.assert_array_equal(a, b, err_msg=f"position {i}")
+    # position 0 is tinygrad's uncaptured first run, which can reuse process-wide tables the first model built
+    assert i == 0 or (ka, ma) == (kb, mb), f"position {i}: counters {ka, ma} != {kb, mb}"
+
+@pytest.mark.skipif(Device.DEFAULT != "CPU", reason="the fast replay is for tinygrad's CPU device")
+def test_engine_generates_the_same(monkeypatch):
+  path, toks = FILES[0], []
+  for fast in (False, True):
+    monkeypatch.setenv("TG_DS4_FAST_REPLAY", "1" if fast else "0")
+    e = Engine(Transformer.from_gguf(path, max_ctx=64))
+    toks.append(list(e.generate([1, 5, 9, 13], 24)) + list(e.generate([2, 4], 8, SamplingParams(temperature=0.8, seed=3))))
+  assert toks[0] == toks[1]
