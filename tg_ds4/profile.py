@@ -1,7 +1,7 @@
 """`tg_ds4 profile`: one decode step (and optionally one prefill chunk) timed kernel by kernel, each kernel attributed
 to its block and to an op (attn q, scores, softmax, experts, ...), written as CSV, JSON and a PNG chart.
 
-The step is the same TinyJit capture the engine replays, captured without graph batching so each kernel is its own
+The step is the same capture (tg_ds4.replay.Jit) the engine replays, captured without graph batching so each kernel is its own
 launch, then replayed with synchronous per-kernel timing. tinygrad does not carry tensor provenance into kernels, so
 a kernel is attributed by the buffers it reads: module attributes are GGUF tensor names, so a kernel reading
 `blk.3.ffn_up_exps.weight` is layer 3's experts. Kernels that read no weight (softmax, top-k, norm statistics, argmax)
@@ -12,11 +12,12 @@ from __future__ import annotations
 import contextlib, csv, io, json, pathlib, re, statistics, time
 from collections import defaultdict
 
-from tinygrad import Context, Tensor, TinyJit, UOp, dtypes
+from tinygrad import Context, Tensor, UOp, dtypes
 from tinygrad.engine import realize
 from tinygrad.uop.ops import Ops, sym_infer
 
 from tg_ds4.quant import QTensor
+from tg_ds4.replay import Jit
 from tg_ds4.sampling import greedy
 
 # (pattern on the tensor name, op); the first op in this list that any read buffer maps to wins, so a kernel that
@@ -113,13 +114,13 @@ def profile_model(model, pos: int = 127, repeat: int = 10, prefill: bool = False
   JIT prefill chunk with `prefill`. The cache content is whatever is there: timing does not depend on it."""
   names, res = named_buffers(model), {}
   with Context(JIT=2):  # no graph batching: every kernel stays a separate, timeable launch
-    step = TinyJit(lambda tok, sp: greedy(model.forward(tok, sp, last_only=True)[:, -1]).realize())
+    step = Jit(lambda tok, sp: greedy(model.forward(tok, sp, last_only=True)[:, -1]).realize())
     tok = lambda: (UOp.variable("token", 0, model.cfg.n_vocab - 1).bind(1), UOp.variable("start_pos", 0, model.max_ctx - 1).bind(pos))
     for _ in range(3): step(*tok())
     res["decode"] = _summarize(*_timed_replays(step, tok, names, repeat), pos=pos)
     if prefill:
       C = model.PREFILL_CHUNK
-      pstep = TinyJit(lambda t, sp: model.forward(t, sp, last_only=True).realize())
+      pstep = Jit(lambda t, sp: model.forward(t, sp, last_only=True).realize())
       chunk = lambda: (Tensor([[1] * C], dtype=dtypes.int32), UOp.variable("start_pos", 0, model.max_ctx - 1).bind(max(pos - C, 0)))
       for _ in range(3): pstep(*chunk())
       res["prefill"] = _summarize(*_timed_replays(pstep, chunk, names, max(3, repeat // 3)), pos=max(pos - C, 0), tokens=C)
