@@ -151,10 +151,12 @@ def _q4_1(p: Packed) -> Tensor: return p.f16(0) * _nib(p, 4).cast(dtypes.float32
 # Q5_0/Q5_1: d [m] qh(u32) qs[16]. element p*16 + l: nibble p of qs[l], 5th bit = bit p*16+l of qh
 Q5 = Layout("p l", p=2, l=16)
 def _q5(p: Packed, qh: int) -> Tensor:
-  ql = (p.field(qh+4, 16, "l") >> p.lay.const("p", (0, 4))) & 0xF
+  # the two parts meet in float (ql + 16 * hb, exact): joined as bytes (ql | hb << 4) the C compiler vectorised the GEMV
+  # 4 lanes wide instead of 16 (qwen2.5 gate|up 4.9 -> 2.8 ms)
+  ql = ((p.field(qh+4, 16, "l") >> p.lay.const("p", (0, 4))) & 0xF).cast(dtypes.float32)
   qh16 = p.field(qh, 4, dtype=dtypes.uint32) >> p.lay.const("p", (0, 16), dtypes.uint32)  # two shifts: a constant indexed
-  hb = ((qh16 >> p.lay.const("l", range(16), dtypes.uint32)) & 1).cast(dtypes.uint8)      # by a loop is a chain of selects
-  return (ql | (hb << 4)).cast(dtypes.float32)
+  hb = ((qh16 >> p.lay.const("l", range(16), dtypes.uint32)) & 1).cast(dtypes.float32)    # by a loop is a chain of selects
+  return ql + hb * 16
 def _q5_0(p: Packed) -> Tensor: return p.f16(0) * (_q5(p, 2) - 16)
 def _q5_1(p: Packed) -> Tensor: return p.f16(0) * _q5(p, 4) + p.f16(2)
 
