@@ -1,78 +1,120 @@
-"""`Jit`: tinygrad's TinyJit with a faster replay on the CPU device.
+"""`Jit`: tinygrad's TinyJit with a native, multi-core replay on the CPU device.
 
-tinygrad 0.14's CPU device has no graph executor, so a replayed TinyJit walks its captured calls in Python and, for
-every kernel, resolves buffers, symbolic sizes and statistics again: ~23 us per kernel, ~9 ms of a 400-kernel decode
-step. After capture, `Jit` replays the same compiled functions with the same arguments from a prepared list: buffer
-addresses resolved once, only the symbolic values (the position) and the JIT's own input buffers per call. A call that
-is not a plain CPU kernel goes through tinygrad's executor as before, and so does everything under DEBUG >= 2 or
-PROFILE (per-kernel timing). GlobalCounters are kept as tinygrad keeps them. `TG_DS4_FAST_REPLAY=0` turns it off."""
+tinygrad 0.14's CPU device has no graph executor: a replayed TinyJit walks its captured calls in Python, resolving
+buffers, symbolic sizes and statistics for every kernel (~23 us each, ~9 ms of a 400-kernel decode step), and it calls
+the parts of a kernel that tinygrad split over cores (the THREAD opt, one call per `core_id`) one after another, so a
+step uses one core. After capture, `Jit` hands runs of plain CPU kernels to `cpu_runner.c`: the same compiled
+functions with the same arguments, buffer addresses resolved once, the parts of a split kernel shared by one thread
+per core. Per call only the JIT's input buffers and the symbolic values (the position) are looked up. Anything that is
+not a plain CPU kernel goes through tinygrad's executor as before, and so does everything under DEBUG >= 2 or PROFILE
+(per-kernel timing). GlobalCounters are kept as tinygrad keeps them. `TG_DS4_FAST_REPLAY=0` turns it off;
+`TG_DS4_THREADS` sets the thread count (default: tinygrad's NUM_CPU_THREADS, the parts a kernel is split into)."""
 from __future__ import annotations
 
-import ctypes, os
+import ctypes, functools, hashlib, os, pathlib, subprocess, tempfile
 from dataclasses import dataclass
 
 from tinygrad.engine.jit import CapturedJit, _copy_input, _TinyJit
 from tinygrad.engine.realize import ExecContext, _resolve, estimate_uop, get_call_arg_uops, get_runtime, pm_exec, track_stats
-from tinygrad.helpers import DEBUG, PROFILE, GlobalCounters, perf_counter_us, to_tuple
-from tinygrad.runtime.ops_cpu import CPUProgram
+from tinygrad.helpers import DEBUG, NUM_CPU_THREADS, PROFILE, GlobalCounters, perf_counter_us, to_tuple
+from tinygrad.runtime.ops_cpu import MAX_ARGS, CPUProgram
 from tinygrad.uop.ops import Ops, UOp, sym_infer
+
+from tg_ds4.registry import cache_dir
+
+class _Op(ctypes.Structure):  # op_t in cpu_runner.c
+  _fields_ = [("fn", ctypes.c_void_p), ("nargs", ctypes.c_int32), ("parts", ctypes.c_int32), ("core_slot", ctypes.c_int32),
+              ("_pad", ctypes.c_int32), ("args", ctypes.c_uint64 * MAX_ARGS), ("slot", ctypes.c_int16 * MAX_ARGS)]
+
+@functools.cache
+def _runner():
+  """cpu_runner.c built with clang (which tinygrad's CPU device needs anyway) into the cache, once per source version."""
+  src = pathlib.Path(__file__).with_name("cpu_runner.c")
+  so = cache_dir() / f"cpu_runner-{hashlib.sha256(src.read_bytes()).hexdigest()[:16]}.so"
+  if not so.exists():
+    so.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=so.parent) as d:  # build aside and rename: concurrent first runs never load half a file
+      tmp = pathlib.Path(d) / so.name
+      subprocess.run([os.environ.get("CC", "clang"), "-O2", "-shared", "-fPIC", "-pthread", "-o", str(tmp), str(src)], check=True,
+                     capture_output=True)
+      tmp.replace(so)
+  fn = ctypes.CDLL(str(so)).tg_ds4_run
+  fn.argtypes, fn.restype = [ctypes.POINTER(_Op), ctypes.c_int32, ctypes.POINTER(ctypes.c_uint64), ctypes.c_int32], ctypes.c_int32
+  return fn
 
 def _is_input(b: UOp) -> bool: return b.op is Ops.PARAM or any(_is_input(s) for s in b.src if b.op in (Ops.MSELECT, Ops.SHRINK, Ops.MSTACK))
 
 @dataclass
-class _Kernel:
-  fxn: object
-  device: str
-  args: list                       # c_uint64 buffer addresses, None where the buffer is a JIT input
-  inputs: list[tuple[int, UOp]]    # (position in args, argument uop) resolved against each call's inputs
-  info: object                     # ProgramInfo: symbolic values and launch size
-  core: int | None                 # argument slot of the thread id, when the kernel is split over threads
-  ops: object
-  mem: object
+class _Segment:
+  """Consecutive plain CPU kernels, run by one call into cpu_runner."""
+  ops: ctypes.Array
+  slots: list[tuple[UOp, str] | str]  # what each per-call word is: a JIT input buffer (and device), or a symbolic value's name
+  count: int
+  ops_est: object         # summed estimates (symbolic in the position), for GlobalCounters
+  mem_est: object
 
 class FastCPUReplay(CapturedJit):
-  def _plan(self) -> list[_Kernel | UOp]:
-    plan: list[_Kernel | UOp] = []
+  def _plan(self) -> list[_Segment | UOp]:
+    plan: list[_Segment | UOp] = []
+    pending: list[tuple[UOp, CPUProgram, str]] = []
+    def flush():
+      if not pending: return
+      slots: list[tuple[UOp, str] | str] = []
+      def slot(key) -> int:
+        if key not in slots: slots.append(key)
+        return slots.index(key)
+      ops, ops_est, mem_est = (_Op * len(pending))(), 0, 0
+      for op, (call, rt, dev) in zip(ops, pending):
+        info, arg_uops = call.src[0].arg, get_call_arg_uops(call)
+        words: list[int | tuple] = [("in", (b, dev)) if _is_input(b := arg_uops[i]) else b.buffer.ensure_allocated().get_buf(dev).va_addr
+                                    for i in info.globals]
+        words += [0 if v.expr in info.runtimevars else ("var", v.expr) for v in info.vars]
+        op.fn, op.nargs, op.parts = rt.addr, len(words), int(info.global_size[0])
+        op.core_slot = rt.runtimevars.get("core_id", -1)
+        for i, w in enumerate(words):
+          if isinstance(w, tuple): op.slot[i] = slot(w[1])
+          else: op.args[i], op.slot[i] = w, -1
+        est = estimate_uop(call)
+        ops_est, mem_est = ops_est + est.ops, mem_est + est.mem
+      plan.append(_Segment(ops, slots, len(pending), ops_est, mem_est))
+      pending.clear()
     for call in self.linear.src:
       ast, devs = call.src[0], to_tuple(call.src[1].device)
       rt = get_runtime(devs[0], ast) if ast.op is Ops.PROGRAM and len(devs) == 1 and devs[0].startswith("CPU") else None
-      if not isinstance(rt, CPUProgram) or rt.lvp:
+      if isinstance(rt, CPUProgram) and not rt.lvp and isinstance(ast.arg.global_size[0], int) and \
+         len(ast.arg.globals) + len(ast.arg.vars) <= MAX_ARGS:
+        pending.append((call, rt, devs[0]))
+      else:
+        flush()
         plan.append(call)
-        continue
-      arg_uops, args, inputs = get_call_arg_uops(call), [], []
-      for pos, i in enumerate(ast.arg.globals):
-        if _is_input(b := arg_uops[i]): args.append(None); inputs.append((pos, b))
-        else: args.append(ctypes.c_uint64(b.buffer.ensure_allocated().get_buf(devs[0]).va_addr))
-      est = estimate_uop(call)
-      plan.append(_Kernel(rt.fxn, devs[0], args, inputs, ast.arg, rt.runtimevars.get("core_id"), est.ops, est.mem))
+    flush()
     return plan
 
   def __call__(self, input_uops: list[UOp], var_vals: dict[str, int]):
     if DEBUG >= 2 or PROFILE: return super().__call__(input_uops, var_vals)
     concrete = tuple(_copy_input(u) if u in self._written_uops else u for u in input_uops)
     if (plan := self.__dict__.get("_plan_cache")) is None: plan = self.__dict__["_plan_cache"] = self._plan()
-    ctx, ops, mem, n = None, 0, 0, 0
-    for k in plan:
-      if not isinstance(k, _Kernel):  # anything else: tinygrad's own executor, with its statistics
+    threads, ctx = int(os.environ.get("TG_DS4_THREADS", NUM_CPU_THREADS.value)), None
+    for seg in plan:
+      if not isinstance(seg, _Segment):  # anything else: tinygrad's own executor, with its statistics
         ctx = ctx or ExecContext(var_vals, concrete, True, True)
-        track_stats(ctx, k, perf_counter_us(), pm_exec.rewrite(k, ctx))
+        track_stats(ctx, seg, perf_counter_us(), pm_exec.rewrite(seg, ctx))
         continue
-      args = list(k.args)
-      for pos, b in k.inputs: args[pos] = ctypes.c_uint64(_resolve(b, concrete).buffer.ensure_allocated().get_buf(k.device).va_addr)
-      args += [None if v is None else ctypes.c_uint64(v) for v in k.info.vals(var_vals)]
-      for tid in range(int(sym_infer(k.info.global_size[0], var_vals))):  # as CPUProgram: once per thread id
-        if k.core is not None: args[k.core] = ctypes.c_uint64(tid)
-        k.fxn(*args)
-      n, ops, mem = n + 1, ops + sym_infer(k.ops, var_vals), mem + sym_infer(k.mem, var_vals)
-    GlobalCounters.kernel_count += n
-    GlobalCounters.global_ops += ops
-    GlobalCounters.global_mem += mem
+      words = [var_vals[s] if isinstance(s, str) else _resolve(s[0], concrete).buffer.ensure_allocated().get_buf(s[1]).va_addr for s in seg.slots]
+      _runner()(seg.ops, seg.count, (ctypes.c_uint64 * max(1, len(words)))(*words), threads)
+      GlobalCounters.kernel_count += seg.count
+      GlobalCounters.global_ops += sym_infer(seg.ops_est, var_vals)
+      GlobalCounters.global_mem += sym_infer(seg.mem_est, var_vals)
     return self.ret
+
+def _runner_available() -> bool:
+  try: return _runner() is not None
+  except (OSError, subprocess.CalledProcessError): return False
 
 class Jit(_TinyJit):
   """TinyJit whose capture is replayed by FastCPUReplay (same kernels, same order, same results)."""
   def __call__(self, *args, **kwargs):
     ret = super().__call__(*args, **kwargs)
-    if type(c := self.captured) is CapturedJit and os.environ.get("TG_DS4_FAST_REPLAY", "1") != "0":
+    if type(c := self.captured) is CapturedJit and os.environ.get("TG_DS4_FAST_REPLAY", "1") != "0" and _runner_available():
       self.captured = FastCPUReplay(c.ret, c._linear, c.expected_names, c.expected_input_info)
     return ret
