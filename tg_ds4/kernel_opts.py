@@ -15,8 +15,8 @@ builds dot products along the reduce axis (~20 GFLOP/s on 2 cores for qwen2.5's 
 outputs in a vector, 4 tokens per weight load and 2 reduce steps per iteration: ~64 GFLOP/s (a [32, 896] x [896, 4864]
 chunk, 2 cores).
 
-Upcasts and unrolls never change the order in which an output is summed (the unroll keeps one accumulator chain), so
-results are bitwise the same. Kernels tuned by BEAM are not touched."""
+Upcasts never change the order in which an output is summed, and an unrolled reduce is rendered as one left-to-right
+accumulator chain (`acc + a + b`), so results are bitwise the same. Kernels tuned by BEAM are not touched."""
 from tinygrad.codegen.opt import KernelOptError, Opt, OptOps, heuristic
 from tinygrad.codegen.opt.postrange import Scheduler
 from tinygrad.dtype import dtypes
