@@ -3,7 +3,7 @@
 Module attributes carry GGUF tensor names, so `load_weights` fills them with packed tensors straight from the file."""
 from __future__ import annotations
 
-import dataclasses, pathlib
+import dataclasses, os, pathlib
 
 from tinygrad import Device, Tensor, UOp, dtypes
 
@@ -11,7 +11,7 @@ from tg_ds4 import actquant
 from tg_ds4.attention import GQA
 from tg_ds4.config import ModelConfig
 from tg_ds4.gguf import GGUFError, GGUFFile
-from tg_ds4.layers import Embedding, Linear, RMSNorm, fusable, fuse_rows, load_weights
+from tg_ds4.layers import Embedding, Linear, RMSNorm, fusable, fuse_rows, load_weights, widen_q5_0
 from tg_ds4.mla import MLA
 from tg_ds4.moe import FFN, MoE
 from tg_ds4.rope import rope_table
@@ -74,6 +74,7 @@ class Transformer:
     for i, b in enumerate(model.blk):
       if cfg.mla and f"blk.{i}.attn_k_b.weight" not in gf: _split_kv_b(b.attn, gf, i, device)
     load_weights(model, gf, device, rename)
+    if device.startswith("CPU") and os.environ.get("TG_DS4_Q5_AS_Q8", "1") != "0": widen_q5_0(model)  # see widen_q5_0
     for b in model.blk: b.fuse()
     model.max_ctx, model.llama_cpp_activations = min(max_ctx or cfg.ctx_len, cfg.ctx_len), llama_cpp_activations
     rows = model.max_ctx + Transformer.PREFILL_CHUNK  # slack for the padded tail of the last prefill chunk

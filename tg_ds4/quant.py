@@ -356,6 +356,18 @@ class QTensor:
 
 Weight = Tensor | QTensor
 
+def q5_0_as_q8_0(w: QTensor) -> QTensor:
+  """The same weight re-encoded as Q8_0: each block keeps its fp16 scale and its 5-bit values minus 16 become the int8
+  values, so every dequantized value is identical. 34 bytes per 32 weights instead of 22, but tinygrad's CPU code for a
+  Q8_0 GEMV streams ~4x faster than for Q5_0 (whose 5th bits cost a shift and mask per weight), 2.5x per weight."""
+  assert w.qtype.name == "Q5_0" and w._src[1] == (), w
+  b = w.blocks.numpy()
+  qh = np.ascontiguousarray(b[..., 2:6]).view(np.uint32)                                    # [..., nb, 1]
+  q = np.concatenate([b[..., 6:22] & 0xF, b[..., 6:22] >> 4], axis=-1).astype(np.int16)   # element j: nibble, then
+  q |= ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4                 # bit j of qh as the 5th
+  out = np.concatenate([b[..., 0:2], (q - 16).astype(np.int8).view(np.uint8)], axis=-1)
+  return QTensor(Tensor(out, device=w.device), QTYPE_BY_NAME["Q8_0"], w.shape)
+
 def as_tensor(w: Weight, dtype: DType | None = dtypes.float32) -> Tensor:
   if isinstance(w, QTensor): return w.dequant(dtype)
   return w if dtype is None or w.dtype == dtype else w.cast(dtype)
