@@ -12,7 +12,7 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 from tinygrad import GlobalCounters, Tensor, dtypes
 
-from tg_ds4.quant import QTYPE_BY_NAME, QTYPES, QTensor, dequantize, linear
+from tg_ds4.quant import QTYPE_BY_NAME, QTYPES, QTensor, dequantize, linear, q5_0_as_q8_0
 
 # fp16 fields (byte offsets) that random bytes must not make inf/nan
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82), "Q3_K": (108,),
@@ -89,6 +89,16 @@ def test_dequant_matches_gguf(qt):
   if qt.name in NP_NATIVE: np.testing.assert_array_equal(got, ref)
   elif qt.name in EXACT: np.testing.assert_array_equal(got.astype(np.float32).view(np.uint32), ref.view(np.uint32))
   else: np.testing.assert_array_max_ulp(got, ref, maxulp=1)
+
+def test_q5_0_as_q8_0_same_values():
+  """The CPU re-encoding of Q5_0 weights (layers.widen_q5_0) keeps every value: gguf-py's Q5_0 dequantization of the
+  original bytes equals its Q8_0 dequantization of the new ones, bit for bit."""
+  qt = QTYPE_BY_NAME["Q5_0"]
+  b = rand_blocks(qt, (6,), 8, np.random.default_rng(5))
+  w8 = q5_0_as_q8_0(QTensor(Tensor(b), qt, (6, 8 * qt.block)))
+  assert w8.qtype.name == "Q8_0" and w8.shape == (6, 256) and w8.blocks.shape == (6, 8, 34)
+  got = quants.dequantize(w8.blocks.numpy().reshape(6, -1), GGMLQuantizationType.Q8_0)
+  np.testing.assert_array_equal(got.view(np.uint32), reference(qt, b).reshape(6, -1).view(np.uint32))
 
 @pytest.mark.parametrize("name", ("TQ1_0", "TQ2_0", "MXFP4"))
 def test_dequant_quantized_data(name):
