@@ -42,13 +42,11 @@ def test_gemv_keeps_lanes_and_core_split_without_row_upcast(name):
   assert [o for o in theirs.applied_opts if o.op is not OptOps.UPCAST] == ours.applied_opts
   assert np.prod([ours.full_shape[a] for a in ours.axes_of(AxisType.UNROLL)]) >= kernel_opts.LANES  # the lane accumulators
 
-@pytest.mark.parametrize("n_in,n_out,tokens", [(512, 1024, kernel_opts.GEMM_TOKENS), (1024, 4096, kernel_opts.GEMM_BIG_TOKENS)])
-def test_prefill_gemm_on_transposed_weight(n_in, n_out, tokens):
-  wt = Tensor.ones(n_in, n_out).contiguous().realize()   # [in, out], as layers.Linear stores an unpacked weight
-  (k,) = schedulers(Tensor.ones(1, 32, n_in).contiguous().realize() @ wt)
+def test_prefill_gemm_on_transposed_weight():
+  wt = Tensor.ones(1024, 4096).contiguous().realize()   # [in, out], as layers.Linear stores an unpacked weight
+  (k,) = schedulers(Tensor.ones(1, 32, 1024).contiguous().realize() @ wt)
   ours = kernel_opts.cpu_heuristic(k.copy())
-  assert ours.applied_opts[:3] == [Opt(OptOps.UPCAST, 1, kernel_opts.GEMM_VEC), Opt(OptOps.UPCAST, 0, tokens),
-                                   Opt(OptOps.UNROLL, 0, kernel_opts.GEMM_UNROLL)], ours.applied_opts
+  assert ours.applied_opts[:2] == [Opt(OptOps.UPCAST, 0, kernel_opts.GEMM_TOKENS), Opt(OptOps.UPCAST, 1, kernel_opts.GEMM_VEC)], ours.applied_opts
   assert any(o.op is OptOps.THREAD for o in ours.applied_opts) == (Device[Device.DEFAULT].renderer.global_max[0] > 1)
 
 def test_transposing_unpack_reads_each_block_once():
