@@ -2,8 +2,10 @@
 to its block and to an op (attn q, scores, softmax, experts, ...), written as CSV, JSON and a PNG chart.
 
 The step is the same capture (tg_ds4.replay.Jit) the engine replays, captured without graph batching so each kernel is its own
-launch, then replayed with synchronous per-kernel timing. tinygrad does not carry tensor provenance into kernels, so
-a kernel is attributed by the buffers it reads: module attributes are GGUF tensor names, so a kernel reading
+launch, then replayed with synchronous per-kernel timing (through tinygrad's executor: a kernel split over cores runs
+its parts one after another, so the times are one core's; the wall time is the engine's multi-core replay). tinygrad
+does not carry tensor provenance into kernels, so a kernel is attributed by the buffers it reads: module attributes
+are GGUF tensor names, so a kernel reading
 `blk.3.ffn_up_exps.weight` is layer 3's experts. Kernels that read no weight (softmax, top-k, norm statistics, argmax)
 take the op implied by their place in the block: after the attention scores and before attn.v is softmax, between
 the router and the experts is top-k, after the head is sampling; a lone square-root reduce is a norm."""
