@@ -40,6 +40,10 @@ def _lanes_first(k: Scheduler, out: Scheduler) -> Scheduler:
   except KernelOptError: return out
   return alt if prod(alt.full_shape[a] for a in alt.axes_of(AxisType.UNROLL)) >= LANES else out
 
+def _threads(k: Scheduler, axis: int) -> list[Opt]:
+  n = max((n for n in range(1, (k.ren.global_max or (1,))[0] + 1) if k.full_shape[axis] % n == 0), default=1)
+  return [Opt(OptOps.THREAD, axis, n)] if n > 1 else []
+
 def _gemm(k: Scheduler) -> Scheduler | None:
   """The GEMM opts for a float32 weight contiguous along its one output axis, tokens along the other; None otherwise."""
   weight = _weight(k)
@@ -50,22 +54,17 @@ def _gemm(k: Scheduler) -> Scheduler | None:
   t = [a for a in outs if k.rngs[a] not in idx.backward_slice]
   if len(o) != 1 or len(t) != 1 or not any(c is k.rngs[o[0]] for c in idx.split_uop(Ops.ADD)): return None  # stride 1 along o
   (o,), (t,) = o, t
-  threads = max((n for n in range(1, (k.ren.global_max or (1,))[0] + 1) if (k.full_shape[o] // GEMM_VEC) % n == 0), default=1)
   if k.full_shape[o] % GEMM_VEC or k.full_shape[t] % GEMM_TOKENS: return None
   alt = k.copy()
   try:
     # tokens first: the accumulators are then laid out token-major, and clang vectorizes them along the outputs
-    for opt in [Opt(OptOps.UPCAST, t, GEMM_TOKENS), Opt(OptOps.UPCAST, o, GEMM_VEC)] + ([Opt(OptOps.THREAD, o, threads)] if threads > 1 else []):
-      alt.apply_opt(opt)
+    for opt in [Opt(OptOps.UPCAST, t, GEMM_TOKENS), Opt(OptOps.UPCAST, o, GEMM_VEC)]: alt.apply_opt(opt)
+    for opt in _threads(alt, o): alt.apply_opt(opt)
   except KernelOptError: return None
   return alt
 
 def _stride1(b: UOp, k: Scheduler) -> list[int]:
   return [a for a in range(len(k.rngs)) if any(c is k.rngs[a] for c in b.src[1].get_idx().split_uop(Ops.ADD))]
-
-def _threads(k: Scheduler, axis: int) -> list[Opt]:
-  n = max((n for n in range(1, (k.ren.global_max or (1,))[0] + 1) if k.full_shape[axis] % n == 0), default=1)
-  return [Opt(OptOps.THREAD, axis, n)] if n > 1 else []
 
 def _transposing_unpack(k: Scheduler) -> Scheduler | None:
   """Unpacking a weight into a float32 buffer transposed (`[in, out]`, for the GEMM): the heuristic sweeps all rows

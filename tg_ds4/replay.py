@@ -66,14 +66,14 @@ class FastCPUReplay(CapturedJit):
       ops, ops_est, mem_est = (_Op * len(pending))(), 0, 0
       for op, (call, rt, dev) in zip(ops, pending):
         info, arg_uops = call.src[0].arg, get_call_arg_uops(call)
-        words: list[int | tuple] = [("in", (b, dev)) if _is_input(b := arg_uops[i]) else b.buffer.ensure_allocated().get_buf(dev).va_addr
-                                    for i in info.globals]
-        words += [0 if v.expr in info.runtimevars else ("var", v.expr) for v in info.vars]
+        # an int is a fixed word (a buffer address; 0 holds core_id's place), anything else the key of a per-call slot
+        words: list = [(b, dev) if _is_input(b := arg_uops[i]) else b.buffer.ensure_allocated().get_buf(dev).va_addr for i in info.globals]
+        words += [0 if v.expr in info.runtimevars else v.expr for v in info.vars]
         op.fn, op.nargs, op.parts = rt.addr, len(words), int(info.global_size[0])
         op.core_slot = rt.runtimevars.get("core_id", -1)
         for i, w in enumerate(words):
-          if isinstance(w, tuple): op.slot[i] = slot(w[1])
-          else: op.args[i], op.slot[i] = w, -1
+          if isinstance(w, int): op.args[i], op.slot[i] = w, -1
+          else: op.slot[i] = slot(w)
         est = estimate_uop(call)
         ops_est, mem_est = ops_est + est.ops, mem_est + est.mem
       plan.append(_Segment(ops, slots, len(pending), ops_est, mem_est))
