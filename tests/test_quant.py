@@ -12,14 +12,14 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 from tinygrad import GlobalCounters, Tensor, dtypes
 
-from tg_ds4.quant import QTYPE_BY_NAME, QTYPES, QTensor, dequantize, linear, q5_0_as_q8_0
+from tg_ds4.quant import K_WIDENED, QTYPE_BY_NAME, QTYPES, QTensor, dequantize, linear, q5_0_as_q8_0, widen_k_quant
 
 # fp16 fields (byte offsets) that random bytes must not make inf/nan
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82), "Q3_K": (108,),
               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ2_XXS": (0,), "IQ4_XS": (0,), "TQ1_0": (52,), "TQ2_0": (64,)}
 EXACT = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 NP_NATIVE = {"I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64, "F64": np.float64}  # gguf-py has no dequantize
-NULL_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q2_K", "Q3_K", "IQ2_XXS", "Q4_1", "Q5_0", "Q5_1", "Q5_K", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4")
+NULL_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q8_S16", "Q8_M32", "Q2_K", "Q3_K", "IQ2_XXS", "Q4_1", "Q5_0", "Q5_1", "Q5_K", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4")
 MAX_BYTES_RATIO = 1.15
 
 def rand_blocks(qt, lead: tuple[int, ...], nb: int, rng: np.random.Generator) -> np.ndarray:
@@ -91,7 +91,7 @@ def test_dequant_matches_gguf(qt):
   else: np.testing.assert_array_max_ulp(got, ref, maxulp=1)
 
 def test_q5_0_as_q8_0_same_values():
-  """The CPU re-encoding of Q5_0 weights (layers.widen_q5_0) keeps every value: gguf-py's Q5_0 dequantization of the
+  """The CPU re-encoding of Q5_0 weights (layers.widen_for_cpu) keeps every value: gguf-py's Q5_0 dequantization of the
   original bytes equals its Q8_0 dequantization of the new ones, bit for bit."""
   qt = QTYPE_BY_NAME["Q5_0"]
   b = rand_blocks(qt, (6,), 8, np.random.default_rng(5))
@@ -99,6 +99,21 @@ def test_q5_0_as_q8_0_same_values():
   assert w8.qtype.name == "Q8_0" and w8.shape == (6, 256) and w8.blocks.shape == (6, 8, 34)
   got = quants.dequantize(w8.blocks.numpy().reshape(6, -1), GGMLQuantizationType.Q8_0)
   np.testing.assert_array_equal(got.view(np.uint32), reference(qt, b).reshape(6, -1).view(np.uint32))
+
+@pytest.mark.parametrize("name", ("Q6_K", "Q4_K"))
+def test_widened_k_quant_same_values(name):
+  """The CPU re-encoding of K-quant weights (layers.widen_for_cpu) keeps every value: the widened blocks dequantize to
+  gguf-py's values of the original bytes bit for bit, and a GEMV over them agrees with one over the original to float
+  rounding (the sums run in another order)."""
+  qt, rng = QTYPE_BY_NAME[name], np.random.default_rng(7)
+  b = rand_blocks(qt, (6,), 2, rng)
+  w = widen_k_quant(QTensor(Tensor(b), qt, (6, 2 * qt.block)))
+  assert w.qtype is K_WIDENED[name] and w.shape == (6, 512) and w.blocks.shape == (6, 512 // w.qtype.block, w.qtype.nbytes)
+  got = w.dequant(dtypes.float32).numpy()
+  np.testing.assert_array_equal(got.view(np.uint32), reference(qt, b).reshape(6, -1).view(np.uint32))
+  x = rng.standard_normal((1, 512)).astype(np.float32)
+  ref = x.astype(np.float64) @ reference(qt, b).reshape(6, -1).T.astype(np.float64)
+  np.testing.assert_allclose(linear(Tensor(x), w).numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 @pytest.mark.parametrize("name", ("TQ1_0", "TQ2_0", "MXFP4"))
 def test_dequant_quantized_data(name):

@@ -424,6 +424,7 @@ class DS4Transformer:
   row-per-position caches, the rings only let a new run start at position 0 or up to `max_rewind` positions before the
   last one written (prefill/prefill_last check it, see `rewind_check`)."""
   PREFILL_CHUNK = 32  # the most tokens one forward takes (the rings' slack), and the JIT-captured prefill chunk
+  PREFILL_CHUNKS = (PREFILL_CHUNK,)
   max_rewind = PREFILL_CHUNK
 
   def __init__(self, cfg: DS4Config, gf: GGUFFile):

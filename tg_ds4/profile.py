@@ -121,7 +121,7 @@ def profile_model(model, pos: int = 127, repeat: int = 10, prefill: bool = False
     for _ in range(3): step(*tok())
     res["decode"] = _summarize(*_timed_replays(step, tok, names, repeat), pos=pos)
     if prefill:
-      C = model.PREFILL_CHUNK
+      C = model.PREFILL_CHUNKS[0]
       pstep = Jit(lambda t, sp: model.forward(t, sp, last_only=True).realize())
       chunk = lambda: (Tensor([[1] * C], dtype=dtypes.int32), UOp.variable("start_pos", 0, model.max_ctx - 1).bind(max(pos - C, 0)))
       for _ in range(3): pstep(*chunk())

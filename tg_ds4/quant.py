@@ -262,6 +262,16 @@ def _mxfp4(p: Packed) -> Tensor:
   d = (e < 2).where(_c((0x00200000,), dtypes.uint32) << e, (e - 1) << 23).bitcast(dtypes.float32)  # e = 0, 1 are subnormal
   return d * p.lookup("mxfp4", (p.field(1, 16, "i", t=16) >> p.lay.const("p", (0, 4)).unsqueeze(-1)) & 0xF).cast(dtypes.float32)
 
+# Internal CPU formats (not in GGUF files; see `widen_k_quant`): a K-quant's values as int8 with their sub-block scale
+# (and min) multiplied out to float32, which is exact (an fp16 times a 6- or 8-bit integer fits in float32's mantissa),
+# so every value is computed by the same float ops as from the original. 1.25 bytes per weight.
+# Q8_S16 (from Q6_K): scale f32, q[16] int8; value = scale * q
+Q8S16 = Layout("i", i=16)
+def _q8_s16(p: Packed) -> Tensor: return p.field(0, 4, dtype=dtypes.float32) * p.field(4, 16, "i", dtypes.int8).cast(dtypes.float32)
+# Q8_M32 (from Q4_K): scale f32, min f32, q[32] uint8; value = scale * q - min
+def _q8_m32(p: Packed) -> Tensor:
+  return p.field(0, 4, dtype=dtypes.float32) * p.field(8, 32, "i").cast(dtypes.float32) - p.field(4, 4, dtype=dtypes.float32)
+
 # ---------------------------------------------------------------- type table
 
 @dataclass(frozen=True)
@@ -307,7 +317,8 @@ QTYPES: dict[int, QuantType] = {t.id: t for t in [
   QuantType("TQ2_0", 35, 256, 66, _tq2_0, TQ2),
   QuantType("MXFP4", 39, 32, 17, _mxfp4, Q4),
 ]}
-QTYPE_BY_NAME = {t.name: t for t in QTYPES.values()}
+INTERNAL = {t.name: t for t in [QuantType("Q8_S16", -1, 16, 20, _q8_s16, Q8S16), QuantType("Q8_M32", -2, 32, 40, _q8_m32, Q8)]}
+QTYPE_BY_NAME = {t.name: t for t in QTYPES.values()} | INTERNAL
 
 def dequantize(blocks: Tensor, qtype: QuantType | int | str) -> Tensor:
   """Packed uint8 `[..., n_blocks, block_bytes]` -> values `[..., n_blocks * block_elems]` (lazy)."""
@@ -367,6 +378,39 @@ def q5_0_as_q8_0(w: QTensor) -> QTensor:
   q |= ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4                 # bit j of qh as the 5th
   out = np.concatenate([b[..., 0:2], (q - 16).astype(np.int8).view(np.uint8)], axis=-1)
   return QTensor(Tensor(out, device=w.device), QTYPE_BY_NAME["Q8_0"], w.shape)
+
+def _f32_bytes(a: np.ndarray) -> np.ndarray: return np.ascontiguousarray(a.astype(np.float32)[..., None]).view(np.uint8)
+
+def _q6_k_as_q8_s16(b: np.ndarray) -> np.ndarray:
+  ql, qh, sc, d = b[..., :128], b[..., 128:192], b[..., 192:208].view(np.int8), b[..., 208:210].view(np.float16)
+  parts = []  # element h*128 + q*32 + l: nibble q>>1 of ql[h*64 + (q&1)*32 + l], high bits = plane q of qh[h*32 + l]
+  for h in range(2):
+    for q in range(4):
+      lo = (ql[..., h*64 + (q & 1)*32:][..., :32] >> (4 * (q >> 1))) & 0xF
+      parts.append((lo | (((qh[..., h*32:h*32 + 32] >> (2 * q)) & 3) << 4)).astype(np.int8) - 32)
+  q = np.concatenate(parts, axis=-1).reshape(*b.shape[:-1], 16, 16)            # 16 sub-blocks of 16, scale index = e // 16
+  return np.concatenate([_f32_bytes(d.astype(np.float32) * sc.astype(np.float32)), q.view(np.uint8)], axis=-1)
+
+def _q4_k_as_q8_m32(b: np.ndarray) -> np.ndarray:
+  d, dmin = b[..., 0:2].view(np.float16).astype(np.float32), b[..., 2:4].view(np.float16).astype(np.float32)
+  A, B, C, qs = b[..., 4:8], b[..., 8:12], b[..., 12:16], b[..., 16:144]
+  sc = np.concatenate([A & 63, (C & 0xF) | ((A >> 6) << 4)], axis=-1).astype(np.float32)   # sub-blocks 0..3, 4..7
+  mn = np.concatenate([B & 63, (C >> 4) | ((B >> 6) << 4)], axis=-1).astype(np.float32)
+  q = np.stack([qs.reshape(*qs.shape[:-1], 4, 32) & 0xF, qs.reshape(*qs.shape[:-1], 4, 32) >> 4], axis=-2)  # sub-block 2g+p
+  return np.concatenate([_f32_bytes(d * sc), _f32_bytes(dmin * mn), q.reshape(*b.shape[:-1], 8, 32)], axis=-1)
+
+_WIDEN = {"Q6_K": ("Q8_S16", _q6_k_as_q8_s16), "Q4_K": ("Q8_M32", _q4_k_as_q8_m32)}
+K_WIDENED = {k: INTERNAL[v] for k, (v, _) in _WIDEN.items()}  # K-quant name -> the format it is widened to
+
+def widen_k_quant(w: QTensor) -> QTensor:
+  """A Q6_K or Q4_K weight re-encoded in the internal Q8_S16 / Q8_M32 format: the same values bit for bit, 1.25 bytes
+  per weight instead of 0.82 / 0.56, and a GEMV with per-value work of one int8 convert and multiply-add (the K-quant
+  bit fields cost ~4x the instructions: qwen2.5's Q4_K and Q6_K ffn_down GEMVs stream at ~2 GB/s on one core, Q8_0
+  at ~8)."""
+  assert w.qtype.name in _WIDEN and w._src[1] == (), w
+  qt, conv = K_WIDENED[w.qtype.name], _WIDEN[w.qtype.name][1]
+  out = conv(w.blocks.numpy()).reshape(*w.shape[:-1], w.shape[-1] // qt.block, qt.nbytes)
+  return QTensor(Tensor(out, device=w.device), qt, w.shape)
 
 def as_tensor(w: Weight, dtype: DType | None = dtypes.float32) -> Tensor:
   if isinstance(w, QTensor): return w.dequant(dtype)
