@@ -147,3 +147,25 @@ def test_cli_inspect_and_dump(tiny, tmp_path):
   got = np.load(out)
   assert got.dtype == np.float32 and got.shape == (4, 8, 32)
   np.testing.assert_array_equal(got, stored_values(x, qt))
+
+def test_misaligned_float32_tensor_is_copied_aligned(tmp_path):
+  # GGUF allows general.alignment 8; float32 kernels load 8 floats at a time from 32-byte aligned addresses
+  import gguf
+  from tinygrad import Tensor
+  x = np.arange(1, 65, dtype=np.float32)
+  for pad in (2, 4, 6):  # 8, 16, 24 bytes of padding before it: one of them leaves it off a 32-byte boundary
+    path = tmp_path / f"align8_{pad}.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_custom_alignment(8)
+    w.add_tensor("pad", np.zeros(pad, np.float32))
+    w.add_tensor("norm.weight", x)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    gf = GGUFFile(path)
+    if (gf._mmap(path).ctypes.data + gf.infos["norm.weight"].offset) % 32: break
+  else: pytest.fail("no misaligned layout")
+  t = gf.tensor("norm.weight", "CPU")
+  buf = t.blocks.uop.buffer
+  buf.ensure_allocated()
+  assert buf._buf.va_addr % 32 == 0
+  got = (t.dequant(dtypes.float32) * Tensor.ones(64)).contiguous()  # an 8-float-load kernel over it
+  np.testing.assert_array_equal(got.numpy(), x)

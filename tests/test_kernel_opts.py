@@ -52,10 +52,28 @@ def test_prefill_gemm_on_transposed_weight():
 def test_transposing_unpack_reads_each_block_once():
   (k,) = schedulers(packed("Q5_0", 4096, 896).dequant(dtypes.float32).T.contiguous())  # qwen2.5 widths
   ours = kernel_opts.cpu_heuristic(k.copy())
-  assert ours.applied_opts[0].op is OptOps.UPCAST and ours.applied_opts[0].arg == kernel_opts.GEMM_VEC, ours.applied_opts
+  assert ours.applied_opts[0].op is OptOps.UPCAST and ours.applied_opts[0].arg == kernel_opts.UNPACK_ROWS, ours.applied_opts
   assert ours.applied_opts[1].op is OptOps.UPCAST and ours.applied_opts[1].arg == 0  # the whole byte run of a block
 
 def test_other_kernels_unchanged():
   w = Tensor.ones(256, 64).contiguous().realize()  # [out, in]: contiguous along the reduce axis, neither GEMM_OPTS nor lanes
   (k,) = schedulers(Tensor.ones(32, 64).contiguous().realize() @ w.T)
   assert kernel_opts.cpu_heuristic(k.copy()).applied_opts == kernel_opts._hand_coded(k.copy()).applied_opts
+
+def _sources(t: Tensor) -> str:
+  """The C source of `t`'s kernels, rendered now (with the currently installed heuristic and rewrites)."""
+  progs = [cg.do_to_program(c.src[0], Device[Device.DEFAULT].renderer) for c in t.linear_with_vars()[0].src
+           if c.op is Ops.CALL and c.src[0].op is Ops.SINK]
+  return "\n".join(s.arg for p in progs for s in p.src if s.op is Ops.SOURCE)
+
+@pytest.mark.skipif(kernel_opts.vector_floats() != 8, reason="CPUs with 256-bit vectors")
+def test_gemm_weight_rows_and_outputs_in_8_float_accesses(monkeypatch):
+  rng = np.random.default_rng(0)
+  x, wt = rng.standard_normal((1, 32, 256)).astype(np.float32), rng.standard_normal((256, 512)).astype(np.float32)
+  gemm = lambda: Tensor(x).realize() @ Tensor(wt).realize()
+  src = _sources(gemm())
+  loads, stores = src.count("= (*((float8*)"), src.count("*((float8*)((data0")
+  assert loads >= kernel_opts.GEMM_VEC // 8 and stores >= kernel_opts.GEMM_TOKENS * kernel_opts.GEMM_VEC // 8, src
+  np.testing.assert_allclose(gemm().numpy(), x @ wt, rtol=1e-4, atol=1e-4)
+  monkeypatch.setattr(kernel_opts, "vector_floats", lambda: 4)  # tinygrad's own coalescing: at most 4 floats
+  assert "float8" not in _sources(gemm())

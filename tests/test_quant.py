@@ -19,7 +19,8 @@ F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0"
               "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ2_XXS": (0,), "IQ4_XS": (0,), "TQ1_0": (52,), "TQ2_0": (64,)}
 EXACT = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 NP_NATIVE = {"I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64, "F64": np.float64}  # gguf-py has no dequantize
-NULL_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q8_S16", "Q8_M32", "Q2_K", "Q3_K", "IQ2_XXS", "Q4_1", "Q5_0", "Q5_1", "Q5_K", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4")
+NULL_TYPES = ("Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q8_S16", "Q8_M32",
+              "Q2_K", "Q3_K", "IQ2_XXS", "Q4_1", "Q5_0", "Q5_1", "Q5_K", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4")
 MAX_BYTES_RATIO = 1.15
 
 def rand_blocks(qt, lead: tuple[int, ...], nb: int, rng: np.random.Generator) -> np.ndarray:

@@ -127,6 +127,8 @@ class GGUFFile:
       mm = self._mmap(info.path)
       raw = Tensor.from_blob(mm.ctypes.data + info.offset, (info.nbytes,), dtype=dtypes.uint8, device=device)
       weakref.finalize(raw.uop.buffer, lambda m: None, mm)  # the mapping lives as long as any view of it
+      # float32 kernels load 8 floats at offsets that divide by 8 (kernel_opts): a file aligned to less gets a copy
+      if info.qtype.name == "F32" and (mm.ctypes.data + info.offset) % 32: raw = raw.clone().realize()
     else: raw = Tensor(info.path)[info.offset:info.offset + info.nbytes].to(device)
     return QTensor(raw.reshape(info.block_shape), info.qtype, info.shape)
 
@@ -178,7 +180,7 @@ def _tensor_info(path: pathlib.Path, f, data_start: int, size: int) -> TensorInf
   if any(d <= 0 or d >= 1 << 40 for d in dims): raise GGUFError(f"tensor {name!r} has dimensions {dims}, expected positive sizes")
   if dims[0] % qt.block: raise GGUFError(f"tensor {name!r} ({qt.name}) has {dims[0]} elements per row, not a multiple of the block size {qt.block}")
   nbytes = int(np.prod(dims, dtype=object)) // qt.block * qt.nbytes
-  start = data_start + off
+  start = int(data_start) + off
   if start + nbytes > size:
     raise GGUFError(f"tensor {name!r} ({qt.name} {'x'.join(map(str, dims))}, {nbytes} bytes at offset {start}) extends past the end "
                     f"of the file ({size} bytes)")

@@ -12,16 +12,18 @@ tokens, which reuses each weight) are kept.
 GEMM (a prefill chunk): `layers.Linear` dequantizes the weight once into a float32 `[in, out]` buffer. For a kernel
 contracting such a weight (contiguous along its one output axis) with tokens along another output axis, the heuristic
 builds dot products along the reduce axis (~20-36 GFLOP/s on 2 cores for qwen2.5's ffn). Instead each iteration here
-holds a group of tokens x 16 outputs (a vector per token, one weight load for a multiply-add per token). The group
-is sized to the vector registers, as tinygrad's CPU code holds the accumulators in 4-float vectors: 8 tokens where
-there are 32 (AVX-512, NEON), ~64 GFLOP/s on 2 AVX-512 cores for qwen2.5's and smollm2's chunk GEMMs (4 tokens:
-34-57); 4 tokens where there are 16 (AVX2): 8 x 16 spills, 4 x 16 is ~1.5x faster (ffn_up of qwen2.5, 2 Zen cores:
-median 17-23 -> 24-26 GFLOP/s, interleaved runs).
+holds a group of tokens x outputs (a vector per token, one weight load for a multiply-add per token), the
+accumulators filling about half the vector registers: 8 tokens x 16 outputs where there are 32 (AVX-512, NEON; ~64
+GFLOP/s on 2 AVX-512 cores for qwen2.5's and smollm2's chunk GEMMs, 4 tokens: 34-57), 8 x 8 where there are 16
+256-bit ones (AVX2). tinygrad coalesces float accesses into at most 4 floats, from which clang builds 128-bit
+multiply-adds; on CPUs with 256-bit vectors `_wide_access` joins adjacent ones into 8, and the accumulators live in
+ymm registers (qwen2.5's ffn_up, 2 AMD EPYC cores: 4 x 16 in xmm ~21 GFLOP/s median, 8 x 8 in ymm ~33, interleaved runs).
 
 Upcasts never change the order in which an output is summed, and an unrolled reduce is rendered as one left-to-right
 accumulator chain (`acc + a + b`), so results are bitwise the same. Kernels tuned by BEAM are not touched."""
-import pathlib, platform
+import collections, functools, pathlib, platform
 
+import tinygrad.codegen
 from tinygrad.codegen.opt import KernelOptError, Opt, OptOps, heuristic
 from tinygrad.codegen.opt.postrange import Scheduler
 from tinygrad.dtype import dtypes
@@ -31,15 +33,26 @@ from tinygrad.uop.ops import AxisType, Ops, UOp
 
 LANES = 16
 
+@functools.cache
+def _cpu_flags() -> str:
+  try: return pathlib.Path("/proc/cpuinfo").read_text()
+  except OSError: return ""
+
 def vector_registers() -> int:
   """SIMD registers of this CPU (the C compiler targets -march=native): 32 with AVX-512 or on arm64, else 16."""
   if platform.machine().lower() in ("arm64", "aarch64"): return 32
-  try: flags = pathlib.Path("/proc/cpuinfo").read_text()
-  except OSError: return 16
-  return 32 if " avx512f" in flags else 16
+  return 32 if " avx512f" in _cpu_flags() else 16
 
-GEMM_VEC, GEMM_TOKENS = 16, 8 if vector_registers() >= 32 else 4
+def vector_floats() -> int:
+  """float32 lanes of this CPU's vectors that the C compiler uses by default: 8 with AVX2/AVX-512, else 4."""
+  return 8 if platform.machine().lower() in ("x86_64", "amd64") and " avx2" in _cpu_flags() else 4
+
+# accumulators of a GEMM iteration (tokens x outputs) fill half the vector registers; the rest hold the weight row,
+# the broadcast token values and the addresses. More tokens per weight pass mean fewer passes over the weight.
+GEMM_TOKENS, GEMM_VEC = (8, 16) if vector_registers() >= 32 else (8, 8) if vector_floats() == 8 else (4, 16)
+UNPACK_ROWS = 16
 _hand_coded, _init_tinygrad_worker = heuristic.hand_coded_optimizations, worker._init_worker
+_tinygrad_coalescing = tinygrad.codegen.memory_coalescing
 
 def _weight(k: Scheduler) -> UOp:  # the operand that streams from memory: the largest buffer
   return max(k.bufs, key=lambda b: b.src[0].max_numel() * b.src[0].dtype.itemsize)
@@ -87,10 +100,10 @@ def _transposing_unpack(k: Scheduler) -> Scheduler | None:
   if k.unrollable_dims or not packed or not isinstance(k.full_shape[0], int): return None
   lanes = sorted({a for b in packed for a in _stride1(b, k)})
   outs = [a for b in k.bufs if b.src[0].dtype == dtypes.float32 for a in _stride1(b, k) if a not in lanes]
-  if len(lanes) != 1 or len(outs) != 1 or k.full_shape[outs[0]] % GEMM_VEC or k.full_shape[lanes[0]] > 32: return None
+  if len(lanes) != 1 or len(outs) != 1 or k.full_shape[outs[0]] % UNPACK_ROWS or k.full_shape[lanes[0]] > 32: return None
   alt = k.copy()
   try:
-    for opt in [Opt(OptOps.UPCAST, outs[0], GEMM_VEC), Opt(OptOps.UPCAST, lanes[0], 0)] + _threads(k, 0): alt.apply_opt(opt)
+    for opt in [Opt(OptOps.UPCAST, outs[0], UNPACK_ROWS), Opt(OptOps.UPCAST, lanes[0], 0)] + _threads(k, 0): alt.apply_opt(opt)
   except KernelOptError: return None
   return alt
 
@@ -102,8 +115,45 @@ def _init_worker():
   _init_tinygrad_worker()
   install()
 
+def _wide_access(sink: UOp) -> UOp:
+  """Two adjacent 4-float loads or stores -> one of 8 floats. tinygrad coalesces float accesses into at most 4 on
+  every device, and clang then builds 128-bit multiply-adds even where the CPU has 256-bit ones; given 8-float
+  stores of the chunk GEMM's outputs and 8-float loads of its weight row, it vectorizes the accumulators in ymm
+  registers. Offsets must divide by 8 as buffers are 32-byte aligned (tinygrad allocates whole pages and plans its
+  arenas in 256-byte blocks; `gguf` copies a misaligned mapped tensor)."""
+  found: dict[tuple, UOp] = {}
+  users: collections.defaultdict[UOp, list[UOp]] = collections.defaultdict(list)
+  for u in sink.toposort():
+    for s in u.src:
+      if s.op is Ops.LOAD: users[s].append(u)
+    if u.op not in (Ops.LOAD, Ops.STORE) or (sh := u.src[0]).op is not Ops.SHRINK or sh.src[0].dtype != dtypes.float: continue
+    if sh.src[2].op is not Ops.CONST or sh.src[2].arg != 4 or (u.op is Ops.STORE and u.src[1].op is not Ops.STACK): continue
+    idx, valid = sh.src[1].get_idx(), sh.src[1].get_valid()
+    if idx.op is Ops.ADD and idx.src[1].op is Ops.CONST: root, off = idx.src[0], idx.src[1].arg
+    elif idx.op is Ops.CONST and isinstance(idx.arg, int): root, off = None, idx.arg
+    else: root, off = idx, 0
+    found[(u.op, sh.src[0], root, valid, off)] = u
+  repl: dict[UOp, UOp] = {}
+  for (op, buf, root, valid, off), lo in found.items():
+    if lo in repl or (hi := found.get((op, buf, root, valid, off + 4))) is None or hi in repl: continue
+    start = UOp.const(off) if root is None else root + off if off else root
+    if start.divides(8) is None: continue
+    wide_idx = UOp(Ops.SHRINK, src=(buf, start.valid(valid) if valid is not None else start, UOp.const(8)))
+    if op is Ops.STORE: repl[lo] = repl[hi] = wide_idx.store(UOp.stack(*lo.src[1].src, *hi.src[1].src))
+    elif all(x.op is Ops.INDEX and x.src[1].op is Ops.CONST for x in users[lo] + users[hi]):
+      wide = wide_idx.load()
+      repl.update({x: wide.index(x.src[1].arg + half) for ld, half in ((lo, 0), (hi, 4)) for x in users[ld]})
+      repl[lo] = repl[hi] = wide  # taken (the loads themselves are replaced through their users)
+  for ld in [k for k in repl if k.op is Ops.LOAD]: del repl[ld]
+  return sink.substitute(repl, name="wide accesses") if repl else sink
+
+def _memory_coalescing(sink: UOp, ren) -> UOp:
+  out = _tinygrad_coalescing(sink, ren)
+  return _wide_access(out) if getattr(ren, "has_threads", False) and vector_floats() == 8 else out
+
 def install():
   """Idempotent. tinygrad looks the heuristic up in its module for each kernel, so this takes effect for new kernels,
   also in tinygrad's compile workers: they are spawned processes, started with this module's initializer."""
   heuristic.hand_coded_optimizations = cpu_heuristic
+  tinygrad.codegen.memory_coalescing = _memory_coalescing
   worker._init_worker = _init_worker
