@@ -39,8 +39,24 @@ def test_gemv_keeps_lanes_and_core_split_without_row_upcast(name):
   theirs, ours = kernel_opts._hand_coded(k.copy()), kernel_opts.cpu_heuristic(k.copy())
   assert any(o.op is OptOps.UPCAST for o in theirs.applied_opts)  # what the change is about
   assert not any(o.op is OptOps.UPCAST for o in ours.applied_opts), ours.applied_opts
-  assert [o for o in theirs.applied_opts if o.op is not OptOps.UPCAST] == ours.applied_opts
+  kept = [o for o in theirs.applied_opts if o.op is not OptOps.UPCAST]
+  assert ours.applied_opts[:len(kept)] == kept and all(o.op is OptOps.UNROLL for o in ours.applied_opts[len(kept):])
   assert np.prod([ours.full_shape[a] for a in ours.axes_of(AxisType.UNROLL)]) >= kernel_opts.LANES  # the lane accumulators
+
+def test_gemv_unrolls_the_nibble_axis_with_the_same_sums(monkeypatch):
+  rng, qt = np.random.default_rng(0), QTYPE_BY_NAME["Q4_1"]
+  blocks = rng.integers(0, 256, (512, 1024 // 32, qt.nbytes), dtype=np.uint8)
+  blocks[..., :4] = (rng.standard_normal((512, 32, 2)) * 0.01).astype(np.float16).view(np.uint8)  # finite d and m
+  x = Tensor(rng.standard_normal((1, 1, 1024)).astype(np.float32)).realize()
+  w = lambda rows: QTensor(Tensor(blocks[:rows].copy()).realize(), qt, (rows, 1024))
+  (k,) = schedulers(linear(x, w(512)))
+  ours = kernel_opts.cpu_heuristic(k.copy())
+  assert np.prod([ours.full_shape[a] for a in ours.axes_of(AxisType.UNROLL)]) == 32  # 16 lanes x both nibbles
+  unrolled = linear(x, w(512)).numpy()
+  monkeypatch.setattr(kernel_opts, "_unroll_lanes", lambda k: k)
+  looped = linear(x, w(256)).numpy()  # another shape, so a kernel compiled without the unroll
+  np.testing.assert_array_equal(unrolled[..., :256], looped)  # the same sums in the same order, bit for bit
+  np.testing.assert_allclose(unrolled[0, 0], w(512).dequant().numpy() @ x.numpy()[0, 0], rtol=1e-4, atol=1e-4)
 
 def test_prefill_gemm_on_transposed_weight():
   wt = Tensor.ones(1024, 4096).contiguous().realize()   # [in, out], as layers.Linear stores an unpacked weight

@@ -6,7 +6,7 @@ llama.cpp rounds activations to 8 bits inside quantized matmuls, so on quantized
 exact fp32 math (more where that flips an expert or a greedy near-tie). tg_ds4's default exact math is held to hfdq
 tightly; for the comparison with llama.cpp the model is built with `llama_cpp_activations=True`, which rounds matmul
 inputs exactly as llama.cpp does (tg_ds4/actquant.py)."""
-import functools, json, pathlib
+import functools, json, os, pathlib
 
 import gguf
 import numpy as np
@@ -37,13 +37,22 @@ def dequantized_twin(m: Transformer) -> Transformer:
     else: setattr(owner, k, val)
   return m
 
+def file_formats(path) -> Transformer:
+  """The model with the file's own packed formats (no CPU widening, `layers.widen_for_cpu`), for gguf-py to dequantize."""
+  old = os.environ.get("TG_DS4_WIDEN")
+  os.environ["TG_DS4_WIDEN"] = "0"
+  try: return Transformer.from_gguf(path, max_ctx=64)
+  finally:
+    if old is None: del os.environ["TG_DS4_WIDEN"]
+    else: os.environ["TG_DS4_WIDEN"] = old
+
 @functools.cache
 def run(fam: str, q: str, twin: bool = False, llama_cpp: bool = False) -> dict:
   """Everything the tests compare, computed once per file: prefill logits over the prompt, decode-mode logits over
   the prompt (one token at a time through the TinyJit step) continued greedily for n_gen tokens."""
   man = manifest(fam)
   path, ids, n_gen = ROOT / fam / man["ggufs"][q]["file"], man["token_ids"], man["n_gen"]
-  load = lambda: dequantized_twin(Transformer.from_gguf(path, max_ctx=64)) if twin else \
+  load = lambda: dequantized_twin(file_formats(path)) if twin else \
     Transformer.from_gguf(path, max_ctx=64, llama_cpp_activations=llama_cpp)
   prefill = load().prefill(ids, chunk=len(ids)).numpy()[0]
   m, steps, greedy = load(), [], []

@@ -7,7 +7,8 @@ and clang's SLP vectorizer vectorizes across the 4 rows instead, with one byte i
 GEMV at 2.9 GB/s on one core, without the row upcast 13.8 GB/s; Q4_1, Q5_0, Q4_K and Q6_K 1.5-3.6x faster). So when a
 kernel keeps at least `LANES` accumulators from its unrolled reduce alone, the heuristic's upcasts along axes where
 the weight (the largest buffer) moves are dropped; its other choices (the unroll, the split over cores, an upcast over
-tokens, which reuses each weight) are kept.
+tokens, which reuses each weight) are kept, and the block's small axes inside the lanes are unrolled as well
+(`_unroll_lanes`).
 
 GEMM (a prefill chunk): `layers.Linear` dequantizes the weight once into a float32 `[in, out]` buffer. For a kernel
 contracting such a weight (contiguous along its one output axis) with tokens along another output axis, the heuristic
@@ -32,6 +33,7 @@ from tinygrad.helpers import prod
 from tinygrad.uop.ops import AxisType, Ops, UOp
 
 LANES = 16
+GEMV_SMALL_AXIS, GEMV_MAX_UNROLL = 4, 32  # layout axes up to this size are unrolled in a GEMV, up to this many products
 
 @functools.cache
 def _cpu_flags() -> str:
@@ -65,6 +67,18 @@ def _lanes_first(k: Scheduler, out: Scheduler) -> Scheduler:
       if o.op is not OptOps.UPCAST or alt.rngs[alt.real_axis(o.op, o.axis)] not in weight.src[1].get_idx().backward_slice: alt.apply_opt(o)
   except KernelOptError: return out
   return alt if prod(alt.full_shape[a] for a in alt.axes_of(AxisType.UNROLL)) >= LANES else out
+
+def _unroll_lanes(k: Scheduler) -> Scheduler:
+  """A GEMV's small layout axes unrolled inside the lanes (a Q4_1 block's two nibbles): the heuristic unrolls only the
+  lane axis and loops over the nibble with a variable shift. Unrolled, each iteration is straight-line code over
+  both nibbles with constant shifts (smollm2's Q4_1 gate|up 266 -> ~190 us per core). The sum order is unchanged."""
+  if prod(k.full_shape[a] for a in k.axes_of(AxisType.UNROLL)) < LANES: return k
+  alt = k.copy()
+  while alt.unrollable_dims and (n := alt.full_shape[alt.unrollable_dims[-1]]) <= GEMV_SMALL_AXIS and \
+      prod(alt.full_shape[a] for a in alt.axes_of(AxisType.UNROLL)) * n <= GEMV_MAX_UNROLL:
+    try: alt.apply_opt(Opt(OptOps.UNROLL, len(alt.unrollable_dims) - 1, 0))
+    except KernelOptError: return k
+  return alt
 
 def _threads(k: Scheduler, axis: int) -> list[Opt]:
   n = max((n for n in range(1, (k.ren.global_max or (1,))[0] + 1) if k.full_shape[axis] % n == 0), default=1)
@@ -109,7 +123,7 @@ def _transposing_unpack(k: Scheduler) -> Scheduler | None:
 
 def cpu_heuristic(k: Scheduler) -> Scheduler:
   if not getattr(k.ren, "has_threads", False): return _hand_coded(k)
-  return _gemm(k) or _transposing_unpack(k) or _lanes_first(k, _hand_coded(k))
+  return _gemm(k) or _transposing_unpack(k) or _unroll_lanes(_lanes_first(k, _hand_coded(k)))
 
 def _init_worker():
   _init_tinygrad_worker()

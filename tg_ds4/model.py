@@ -78,7 +78,8 @@ class Transformer:
     for i, b in enumerate(model.blk):
       if cfg.mla and f"blk.{i}.attn_k_b.weight" not in gf: _split_kv_b(b.attn, gf, i, device)
     load_weights(model, gf, device, rename)
-    if device.startswith("CPU") and os.environ.get("TG_DS4_WIDEN", "1") != "0": widen_for_cpu(model)  # see widen_for_cpu
+    # see widen_for_cpu; not under llama_cpp_activations, which rounds a matmul's input by the file's weight format
+    if device.startswith("CPU") and os.environ.get("TG_DS4_WIDEN", "1") != "0" and not llama_cpp_activations: widen_for_cpu(model)
     for b in model.blk: b.fuse()
     model.max_ctx, model.llama_cpp_activations = min(max_ctx or cfg.ctx_len, cfg.ctx_len), llama_cpp_activations
     rows = model.max_ctx + Transformer.PREFILL_CHUNK  # slack for the padded tail of the last prefill chunk
