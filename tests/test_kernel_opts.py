@@ -1,32 +1,37 @@
 """tg_ds4.kernel_opts: what the CPU heuristic changes, checked on the kernels tinygrad builds for our matmuls (the
 speed of each choice is measured in the module's docstring and the README, not here)."""
+import functools
+
 import numpy as np
 import pytest
 from tinygrad import Device, Tensor, dtypes
 from tinygrad.codegen.opt import Opt, OptOps
 from tinygrad.codegen.opt.postrange import Scheduler
 import tinygrad.codegen as cg
-from tinygrad.uop.ops import AxisType, Ops, graph_rewrite
+from tinygrad.uop.ops import AxisType, Ops, UOp, graph_rewrite
 
 from tg_ds4 import kernel_opts
 from tg_ds4.quant import QTYPE_BY_NAME, QTensor, linear
 
 pytestmark = pytest.mark.skipif(not getattr(Device[Device.DEFAULT].renderer, "has_threads", False), reason="CPU renderers only")
 
-def schedulers(t: Tensor) -> list[Scheduler]:
+def kernel_sinks(t: Tensor) -> list[UOp]:
+  """The kernel ASTs of `t`'s schedule (one call per tensor: scheduling assigns its buffers)."""
+  return [c.src[0] for c in t.linear_with_vars()[0].src if c.op is Ops.CALL and c.src[0].op is Ops.SINK]
+
+def schedulers(t: Tensor | list[UOp]) -> list[Scheduler]:
   """The kernels of `t` as tinygrad's codegen hands them to the heuristic (the rewrites of `full_rewrite_to_sink` before
   `apply_opts`)."""
-  lin, out = t.linear_with_vars()[0], []
-  for c in lin.src:
-    if c.op is Ops.CALL and c.src[0].op is Ops.SINK:
-      sink = graph_rewrite(graph_rewrite(c.src[0], cg.multi_pm), cg.pm_mops, bottom_up=True)
-      sink = graph_rewrite(sink, cg.pm_load_collapse)
-      sink = graph_rewrite(sink, cg.pm_split_ranges + cg.pm_flatten_range, ctx={})
-      sink = graph_rewrite(sink, cg.sym + cg.pm_flatten_range)
-      sink = graph_rewrite(sink, cg.pm_flatten_range + cg.pm_simplify_ranges, ctx={})
-      k = Scheduler(sink, Device[Device.DEFAULT].renderer)
-      k.convert_loop_to_global()
-      out.append(k)
+  out = []
+  for ast in kernel_sinks(t) if isinstance(t, Tensor) else t:
+    sink = graph_rewrite(graph_rewrite(ast, cg.multi_pm), cg.pm_mops, bottom_up=True)
+    sink = graph_rewrite(sink, cg.pm_load_collapse)
+    sink = graph_rewrite(sink, cg.pm_split_ranges + cg.pm_flatten_range, ctx={})
+    sink = graph_rewrite(sink, cg.sym + cg.pm_flatten_range)
+    sink = graph_rewrite(sink, cg.pm_flatten_range + cg.pm_simplify_ranges, ctx={})
+    k = Scheduler(sink, Device[Device.DEFAULT].renderer)
+    k.convert_loop_to_global()
+    out.append(k)
   return out
 
 def packed(name: str, rows: int, cols: int) -> QTensor:
@@ -62,7 +67,7 @@ def test_prefill_gemm_on_transposed_weight():
   wt = Tensor.ones(1024, 4096).contiguous().realize()   # [in, out], as layers.Linear stores an unpacked weight
   (k,) = schedulers(Tensor.ones(1, 32, 1024).contiguous().realize() @ wt)
   ours = kernel_opts.cpu_heuristic(k.copy())
-  assert ours.applied_opts[:2] == [Opt(OptOps.UPCAST, 0, kernel_opts.GEMM_TOKENS), Opt(OptOps.UPCAST, 1, kernel_opts.GEMM_VEC)], ours.applied_opts
+  assert ours.applied_opts[:2] == [Opt(OptOps.UPCAST, 0, kernel_opts.CPU.gemm[0]), Opt(OptOps.UPCAST, 1, kernel_opts.CPU.gemm[1])], ours.applied_opts
   assert any(o.op is OptOps.THREAD for o in ours.applied_opts) == (Device[Device.DEFAULT].renderer.global_max[0] > 1)
 
 def test_transposing_unpack_reads_each_block_once():
@@ -82,14 +87,73 @@ def _sources(t: Tensor) -> str:
            if c.op is Ops.CALL and c.src[0].op is Ops.SINK]
   return "\n".join(s.arg for p in progs for s in p.src if s.op is Ops.SOURCE)
 
-@pytest.mark.skipif(kernel_opts.vector_floats() != 8, reason="CPUs with 256-bit vectors")
+@pytest.mark.skipif(kernel_opts.CPU.floats != 8, reason="CPUs with 256-bit vectors")
 def test_gemm_weight_rows_and_outputs_in_8_float_accesses(monkeypatch):
   rng = np.random.default_rng(0)
   x, wt = rng.standard_normal((1, 32, 256)).astype(np.float32), rng.standard_normal((256, 512)).astype(np.float32)
   gemm = lambda: Tensor(x).realize() @ Tensor(wt).realize()
   src = _sources(gemm())
   loads, stores = src.count("= (*((float8*)"), src.count("*((float8*)((data0")
-  assert loads >= kernel_opts.GEMM_VEC // 8 and stores >= kernel_opts.GEMM_TOKENS * kernel_opts.GEMM_VEC // 8, src
+  tokens, vec = kernel_opts.CPU.gemm
+  assert loads >= vec // 8 and stores >= tokens * vec // 8, src
   np.testing.assert_allclose(gemm().numpy(), x @ wt, rtol=1e-4, atol=1e-4)
-  monkeypatch.setattr(kernel_opts, "vector_floats", lambda: 4)  # tinygrad's own coalescing: at most 4 floats
+  monkeypatch.setattr(kernel_opts, "CPU", kernel_opts.SSE)  # tinygrad's own coalescing: at most 4 floats
   assert "float8" not in _sources(gemm())
+
+# *** every kernel shape, on both CPU kinds the rules distinguish ***
+
+def _decode_step_kernels() -> list[Tensor]:
+  """A real decode step (symbolic position, MLA + MoE) of the ds3 fixture, with greedy, sampling and logprob heads."""
+  from tg_ds4.engine import _with_logprobs
+  from tg_ds4.model import Transformer
+  from tg_ds4.sampling import SamplingParams, greedy, sample
+  m = Transformer.from_gguf(str(FIXTURES / "deepseek2/ds3/ds3-Q4_0.gguf"), max_ctx=64)
+  tok, pos = UOp.variable("token", 0, m.cfg.n_vocab - 1).bind(3), UOp.variable("start_pos", 0, 63).bind(5)
+  logits = m.forward(tok, pos, last_only=True)[:, -1]
+  sp, rng = SamplingParams(0.8, 40, 0.95, 0.05, 1).tensors(), Tensor([1, 2], dtype=dtypes.uint32)
+  return [greedy(logits), sample(logits, *sp, rng), _with_logprobs(logits, sample(logits, *sp, rng), 5)]
+
+def _sampling_kernels(vocab: int) -> list[Tensor]:
+  """The sampling and logprob heads over a real vocabulary: its reductions split into scalar and bool kernels."""
+  from tg_ds4.engine import _with_logprobs
+  from tg_ds4.sampling import SamplingParams, greedy, sample
+  logits = Tensor(np.random.default_rng(vocab).standard_normal((1, vocab)).astype(np.float32)).realize()
+  sp, rng = SamplingParams(0.8, 40, 0.95, 0.05, 1).tensors(), Tensor([1, 2], dtype=dtypes.uint32)
+  tok = sample(logits, *sp, rng)
+  return [tok, greedy(logits), _with_logprobs(logits, tok, 20)]
+
+def _odd_kernels() -> list[Tensor]:
+  n = UOp.variable("n", 1, 32).bind(5)
+  x = Tensor.arange(32).float().contiguous().realize()
+  gemm = Tensor.ones(1, 32, 256).contiguous().realize() @ Tensor.ones(256, 512).contiguous().realize()  # tiles differ by kind
+  return [gemm, Tensor([1.0]).sum() + 1, (Tensor([True, False]).any() & Tensor([1]).eq(1).all()), x[:n].sum(), x[:n].max(), x.cumsum(),
+          Tensor.ones(3, dtype=dtypes.uint8).contiguous().sum()]
+
+FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures"
+@functools.cache
+def _kernels(case: str) -> tuple[list[UOp], bool]:
+  """The kernel ASTs of a case, and whether one of them has no axes but a 1-byte buffer (the shape that crashed)."""
+  sinks = [s for t in CASES[case]() for s in kernel_sinks(t)]
+  return sinks, any(not k.full_shape and any(b.src[0].dtype.itemsize == 1 for b in k.bufs) for k in schedulers(sinks))
+
+CASES = {"decode-step": _decode_step_kernels, "vocab-49152": lambda: _sampling_kernels(49152), "gemm-scalar-bool-symbolic": _odd_kernels}
+
+# (the kinds differ only in the GEMM tile, so the decode step, which has no GEMM, is lowered for one)
+@pytest.mark.parametrize("case,kind", [(c, k) for c in sorted(CASES) for k in ("avx2", "avx512") if (c, k) != ("decode-step", "avx512")])
+def test_rules_handle_every_kernel_shape(case, kind, monkeypatch):
+  """The sampling crash (#20): `_transposing_unpack` indexed the first axis of a kernel that has none, as the split
+  reductions over a real vocabulary make (scalar kernels with a bool buffer). Every kernel of these graphs is lowered
+  and rendered with the rules themselves as tinygrad's heuristic (no fallback), on each CPU kind."""
+  from tinygrad.codegen.opt import heuristic
+  monkeypatch.setattr(kernel_opts, "CPU", {"avx2": kernel_opts.AVX2, "avx512": kernel_opts.AVX512}[kind])
+  monkeypatch.setattr(heuristic, "hand_coded_optimizations", kernel_opts.rules)
+  ren, (sinks, scalar_bytes) = Device[Device.DEFAULT].renderer, _kernels(case)
+  assert len(sinks) >= 4 and (scalar_bytes or not case.startswith("vocab"))  # the shape that crashed is there
+  for sink in sinks: assert any(u.op is Ops.SOURCE for u in cg.do_to_program(sink, ren).src)
+
+def test_a_failing_rule_falls_back_to_tinygrads_choice(monkeypatch, caplog):
+  (k,) = schedulers(Tensor.ones(64, 64).contiguous().realize().sum(1))
+  monkeypatch.setattr(kernel_opts, "_gemm", lambda k: 1 / 0)
+  caplog.set_level("WARNING", "tg_ds4")
+  assert kernel_opts.cpu_heuristic(k.copy()).applied_opts == kernel_opts._hand_coded(k.copy()).applied_opts
+  assert "ZeroDivisionError" in caplog.text
