@@ -3,12 +3,19 @@ prefix it has seen.
 
 File = MAGIC | u32 header length | header (JSON: format, model fingerprint, token ids, tensor names/dtypes/shapes, payload
 size) | payload (each tensor's rows, C order) | sha256 of everything before it. Named by a hash of the token ids, written
-to a temp file, fsynced, renamed into place (a crash leaves the old state or the new, never half a file). A file whose
-size, checksum, format or model fingerprint does not match is never loaded. Least recently used files (mtime, touched on
-every load) are deleted while the directory holds more than the size cap."""
+to a temp file `.KEY.PID.tmp` (created exclusively, never through a link), fsynced, renamed into place (a crash leaves the
+old state or the new, never half a file). A file whose size, checksum, format, model fingerprint or header types do not
+match is never loaded.
+
+The directory may be shared, damaged or hostile. Read: only regular files named `*.kv`, opened without following links
+and without blocking (a symlink, FIFO, device or directory is skipped with a warning); one bad file costs itself, never
+the start-up nor a request. Deleted, and nothing else ever: this store's own entries (a regular file whose header names
+this model, indexed at start-up or written here) when least recently used (mtime, touched on every load) while they hold
+more than the size cap, or when found damaged at load; and temp files of writers that died. Another model's files,
+unreadable files and links are left alone, and not counted against the cap."""
 from __future__ import annotations
 
-import hashlib, io, json, logging, os, pathlib, queue, struct, threading, time
+import contextlib, hashlib, io, json, logging, math, os, pathlib, queue, re, stat, struct, threading, time
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +23,8 @@ import numpy as np
 FORMAT = 1
 MAGIC = b"TGDS4KV\0"
 SUFFIX = ".kv"
+DTYPE = re.compile(r"[<>|=]?[biufc][0-9]{1,2}")
+TEMP = re.compile(r"\.([0-9a-f]{40})\.([0-9]{1,10})\.tmp")  # `_write`'s temp files: .KEY.PID.tmp
 log = logging.getLogger("tg_ds4.server")
 
 def model_fingerprint(gguf_path: str | os.PathLike, layout: list[tuple[str, tuple[int, ...], str, int]]) -> str:
@@ -41,18 +50,72 @@ class Entry:
   size: int
 
 class CorruptFile(ValueError): pass
+class NotOurs(ValueError): pass  # a link, FIFO, ..., or another model's file: never used, never deleted
+
+_KINDS = {stat.S_IFLNK: "a symbolic link", stat.S_IFIFO: "a FIFO", stat.S_IFDIR: "a directory", stat.S_IFSOCK: "a socket",
+          stat.S_IFCHR: "a device", stat.S_IFBLK: "a device"}
+
+def _not_regular(mode: int) -> NotOurs: return NotOurs(f"not a regular file ({_KINDS.get(stat.S_IFMT(mode), 'unknown')})")
+
+def _open_regular(path: pathlib.Path) -> tuple[io.BufferedReader, os.stat_result]:
+  """`path` opened for reading if it is a regular file. lstat first, so a device is never even opened; O_NOFOLLOW and
+  fstat since the name may change in between (a FIFO swapped in is opened without blocking, then refused)."""
+  if not stat.S_ISREG(mode := os.lstat(path).st_mode): raise _not_regular(mode)
+  fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+  try:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode): raise _not_regular(st.st_mode)
+    return open(fd, "rb"), st
+  except BaseException: os.close(fd); raise
 
 def _read_header(f, size: int) -> tuple[dict, int]:
+  """The header (not yet type-checked) and the payload's offset."""
   head = f.read(len(MAGIC) + 4)
   if len(head) < len(MAGIC) + 4 or head[:len(MAGIC)] != MAGIC: raise CorruptFile("not a tg_ds4 KV file (bad magic)")
   (hlen,) = struct.unpack("<I", head[len(MAGIC):])
   if hlen > size: raise CorruptFile("truncated header")
   try: header = json.loads(f.read(hlen))
-  except ValueError: raise CorruptFile("unreadable header") from None
+  except (ValueError, RecursionError): raise CorruptFile("unreadable header") from None
   if not isinstance(header, dict): raise CorruptFile("unreadable header")
-  expect = len(MAGIC) + 4 + hlen + int(header.get("payload_bytes", -1)) + 32
-  if size != expect: raise CorruptFile(f"size {size} != {expect} bytes (truncated or appended to)")
   return header, len(MAGIC) + 4 + hlen
+
+def _int(x) -> bool: return type(x) is int  # not bool, which is an int too
+
+def _numeric_dtype(s) -> np.dtype | None:
+  """The dtype a `_write` header names ('<f4', '|b1', ...): numbers only, spelled as numpy spells them (so np.dtype
+  neither fails nor warns on it)."""
+  if not isinstance(s, str) or not DTYPE.fullmatch(s): return None
+  try: return np.dtype(s)
+  except TypeError: return None  # a size numpy lacks ('f3')
+
+def _check_header(header: dict) -> dict:
+  """`header` if every field has the type and range the file layout needs, else CorruptFile naming the first bad field
+  (a header may pass the checksum and still be wrong: another writer's bug, or a forged file)."""
+  def need(ok: bool, field: str, what: str):
+    if not ok: raise CorruptFile(f"header field {field!r} is not {what}")
+  need(_int(header.get("format")), "format", "an int")
+  need(isinstance(header.get("fingerprint"), str), "fingerprint", "a string")
+  need(isinstance(toks := header.get("tokens"), list) and all(_int(t) and 0 <= t < 2**31 for t in toks), "tokens", "a list of ints in [0, 2**31)")
+  need(_int(pb := header.get("payload_bytes")) and pb >= 0, "payload_bytes", "an int >= 0")
+  need(isinstance(ts := header.get("tensors"), list) and all(isinstance(t, dict) for t in ts), "tensors", "a list of objects")
+  total = 0
+  for i, t in enumerate(ts):
+    need(isinstance(t.get("name"), str), f"tensors[{i}].name", "a string")
+    need((dt := _numeric_dtype(t.get("dtype"))) is not None, f"tensors[{i}].dtype", "a numeric numpy dtype")
+    # numpy's bound on an array's size, zero-length axes aside
+    need(isinstance(shape := t.get("shape"), list) and len(shape) <= 32 and all(_int(d) and d >= 0 for d in shape)
+         and math.prod(max(d, 1) for d in shape) * dt.itemsize < 2**62, f"tensors[{i}].shape", "a list of at most 32 ints >= 0 numpy can hold")
+    total += math.prod(shape) * dt.itemsize
+  need(len({t["name"] for t in ts}) == len(ts), "tensors", "a list of distinct names")
+  need(total == pb, "payload_bytes", f"the tensors' total size ({total})")
+  return header
+
+def _check_file(header: dict, off: int, size: int, stem: str) -> np.ndarray:
+  """The token ids of a file of ours (format and fingerprint already match) whose header is `header`, else CorruptFile."""
+  _check_header(header)
+  if size != (expect := off + header["payload_bytes"] + 32): raise CorruptFile(f"size {size} != {expect} bytes (truncated or appended to)")
+  if tokens_key(header["tokens"]) != stem: raise CorruptFile("token ids do not match the name")
+  return np.asarray(header["tokens"], np.int32)
 
 class KVStore:
   def __init__(self, directory: str | os.PathLike, fingerprint: str, cap_bytes: int, min_tokens: int):
@@ -63,18 +126,48 @@ class KVStore:
     self.pending: set[str] = set()
     self.writes: queue.Queue = queue.Queue()
     self.saved = self.loaded = self.rejected = 0
+    self._sweep_temps()
     self._scan()
     threading.Thread(target=self._writer, name="kv-writer", daemon=True).start()
+
+  def _ours(self, header: dict) -> bool: return header.get("format") == FORMAT and header.get("fingerprint") == self.fingerprint
+
+  def _sweep_temps(self):
+    """Remove the temp files of writers that died: their pid is gone, or is ours (a server makes its one store before
+    writing anything, so those are a previous process's). A live process's are left alone (should that pid not be a
+    writer, the cost is a leftover file, never a broken write)."""
+    for p in self.dir.iterdir():
+      if not (m := TEMP.fullmatch(p.name)): continue
+      pid = int(m[2])
+      if pid != os.getpid() and pid > 0:
+        try: os.kill(pid, 0); continue
+        except PermissionError: continue  # alive, another user's
+        except (ProcessLookupError, OverflowError): pass
+      with contextlib.suppress(OSError):
+        if stat.S_ISREG(os.lstat(p).st_mode): p.unlink(); log.info("kv cache: removed stale temp file %s", p.name)
 
   def _scan(self):
     for p in sorted(self.dir.glob("*" + SUFFIX)):
       try:
-        with open(p, "rb") as f: header, _ = _read_header(f, p.stat().st_size)
-      except (OSError, CorruptFile) as e:
+        f, st = _open_regular(p)
+        with f: header, off = _read_header(f, st.st_size)
+        if not self._ours(header): continue  # another model's or version's: not ours to use (nor to delete)
+        tokens = _check_file(header, off, st.st_size, p.stem)
+      except Exception as e:  # one bad file costs itself, never the start-up
         log.warning("kv cache: ignoring %s: %s", p.name, e); self.rejected += 1; continue
-      if header.get("format") != FORMAT or header.get("fingerprint") != self.fingerprint: continue  # another model or version: not ours
-      self.index[p.stem] = Entry(p, np.asarray(header["tokens"], np.int32), p.stat().st_size)
+      self.index[p.stem] = Entry(p, tokens, st.st_size)
     if self.index: log.info("kv cache: %d saved prefixes in %s", len(self.index), self.dir)
+
+  def discard(self, entry: Entry, reason, delete: bool = False) -> None:
+    """Stop using `entry` (one warning); with `delete`, also remove its file, if it still is a regular file: unlink never
+    follows a link, and the lstat keeps a FIFO or directory swapped in under the name."""
+    log.warning("kv cache: ignoring %s: %s", entry.path.name, reason)
+    self.rejected += 1
+    with self.lock:
+      if self.index.get(entry.path.stem) is entry: del self.index[entry.path.stem]
+    if delete:
+      with contextlib.suppress(OSError):
+        if stat.S_ISREG(os.lstat(entry.path).st_mode): entry.path.unlink()
 
   # *** lookup and load (the inference worker's thread) ***
 
@@ -83,36 +176,36 @@ class KVStore:
     p, best, best_n = np.asarray(prompt, np.int32), None, 0
     with self.lock: entries = list(self.index.values())
     for e in entries:
-      m = min(len(p), len(e.tokens))
-      diff = np.flatnonzero(p[:m] != e.tokens[:m])
-      n = int(diff[0]) if len(diff) else m
+      try:
+        m = min(len(p), len(e.tokens))
+        diff = np.flatnonzero(p[:m] != e.tokens[:m])
+        n = int(diff[0]) if len(diff) else m
+      except Exception as ex: self.discard(e, f"unusable token ids ({type(ex).__name__}: {ex})"); continue
       if n > best_n: best, best_n = e, n
     return best, best_n
 
   def load(self, entry: Entry) -> dict[str, np.ndarray] | None:
-    """The entry's arrays, or None (with a warning, and the file dropped) when it fails any check."""
+    """The entry's arrays, or None (with a warning, and the entry dropped) when it fails any check. The file is deleted
+    only when its header names this model and the rest is damaged; anything else found under its name is left alone."""
+    ours = False
     try:
-      data = entry.path.read_bytes()
-      if len(data) < 32 or hashlib.sha256(data[:-32]).digest() != data[-32:]: raise CorruptFile("checksum mismatch")
-      header, off = _read_header(io.BytesIO(data), len(data))
-      if header.get("format") != FORMAT or header.get("fingerprint") != self.fingerprint: raise CorruptFile("written for another model or format")
-      if header["tokens"] != entry.tokens.tolist() or tokens_key(header["tokens"]) != entry.path.stem:
-        raise CorruptFile("token ids do not match the name")
-      out = {}
-      for t in header["tensors"]:
-        n = int(np.prod(t["shape"])) * np.dtype(t["dtype"]).itemsize
-        out[t["name"]] = np.frombuffer(data, np.dtype(t["dtype"]), int(np.prod(t["shape"])), off).reshape(t["shape"])
-        off += n
-      os.utime(entry.path)  # most recently used
+      f, st = _open_regular(entry.path)
+      with f:
+        data = f.read(st.st_size)
+        header, off = _read_header(io.BytesIO(data), len(data))
+        if not (ours := self._ours(header)): raise NotOurs("written for another model or format")
+        if len(data) < 32 or hashlib.sha256(data[:-32]).digest() != data[-32:]: raise CorruptFile("checksum mismatch")
+        _check_file(header, off, len(data), entry.path.stem)
+        out = {}
+        for t in header["tensors"]:
+          dt, count = np.dtype(t["dtype"]), math.prod(t["shape"])
+          out[t["name"]] = np.frombuffer(data, dt, count, off).reshape(t["shape"])
+          off += count * dt.itemsize
+        os.utime(f.fileno())  # most recently used; through the fd, so the file checked is the file touched
       self.loaded += 1
       return out
-    except (OSError, CorruptFile, KeyError, TypeError, ValueError) as e:
-      log.warning("kv cache: ignoring %s: %s", entry.path.name, e)
-      self.rejected += 1
-      with self.lock: self.index.pop(entry.path.stem, None)
-      if isinstance(e, CorruptFile):
-        try: entry.path.unlink()
-        except OSError: pass
+    except Exception as e:
+      self.discard(entry, e, delete=ours and isinstance(e, CorruptFile))
       return None
 
   # *** save (arrays are copied off the device by the worker; files are written on a thread of their own) ***
@@ -120,7 +213,9 @@ class KVStore:
   def wants(self, tokens: list[int]) -> bool:
     if len(tokens) < self.min_tokens: return False
     key = tokens_key(tokens)
-    with self.lock: return key not in self.index and key not in self.pending
+    with self.lock:
+      if key in self.index or key in self.pending: return False
+    return not os.path.lexists(self.dir / (key + SUFFIX))  # a file we do not use (another model's, a dropped one) stays
 
   def save(self, tokens: list[int], rows: list[tuple[str, np.ndarray]]) -> None:
     key = tokens_key(tokens)
@@ -133,48 +228,62 @@ class KVStore:
     while self.pending and time.monotonic() < end: time.sleep(0.01)
 
   def _writer(self):
-    while True:
+    while True:  # never dies: a failed save costs that save
       key, tokens, rows = self.writes.get()
       try: self._write(key, tokens, rows)
-      except OSError as e: log.warning("kv cache: could not save %s: %s", key, e)
+      except Exception as e: log.warning("kv cache: could not save %s: %s: %s", key, type(e).__name__, e)
       finally:
         with self.lock: self.pending.discard(key)
 
   def _write(self, key: str, tokens: list[int], rows: list[tuple[str, np.ndarray]]):
     arrays = [(n, np.ascontiguousarray(a)) for n, a in rows]
     payload = sum(a.nbytes for _, a in arrays)
-    header = json.dumps({"format": FORMAT, "fingerprint": self.fingerprint, "tokens": tokens, "payload_bytes": payload,
-                         "tensors": [{"name": n, "dtype": a.dtype.str, "shape": list(a.shape)} for n, a in arrays]}).encode()
+    meta = {"format": FORMAT, "fingerprint": self.fingerprint, "tokens": tokens, "payload_bytes": payload,
+            "tensors": [{"name": n, "dtype": a.dtype.str, "shape": list(a.shape)} for n, a in arrays]}
+    header = json.dumps(_check_header(meta)).encode()  # never a file the scan would refuse (an object array's buffer is its pointers)
     size = len(MAGIC) + 4 + len(header) + payload + 32
     if size > self.cap: return  # would evict everything else and still not fit
     path, tmp = self.dir / (key + SUFFIX), self.dir / f".{key}.{os.getpid()}.tmp"
-    h = hashlib.sha256()
-    with open(tmp, "wb") as f:
-      for part in (MAGIC, struct.pack("<I", len(header)), header, *(memoryview(a).cast("B") for _, a in arrays)):
-        h.update(part); f.write(part)
-      f.write(h.digest()); f.flush(); os.fsync(f.fileno())
-    os.replace(tmp, path)
+    # O_EXCL: a name already there (a link planted to redirect the write) fails the save, and is not ours to remove
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+      h = hashlib.sha256()
+      with open(fd, "wb") as f:
+        for part in (MAGIC, struct.pack("<I", len(header)), header, *(memoryview(a).cast("B") for _, a in arrays)):
+          h.update(part); f.write(part)
+        f.write(h.digest()); f.flush(); os.fsync(f.fileno())
+      # names hash the token ids alone: one there now is another model's file for the same prompt, not ours to replace
+      if os.path.lexists(path): raise FileExistsError(f"{path.name} exists")
+      os.replace(tmp, path)
+    except BaseException:
+      with contextlib.suppress(OSError): os.unlink(tmp)
+      raise
+    with self.lock: self.index[key] = Entry(path, np.asarray(tokens, np.int32), size)
+    self.saved += 1
     dfd = os.open(self.dir, os.O_RDONLY)
     try: os.fsync(dfd)  # the rename itself survives a crash
     finally: os.close(dfd)
-    with self.lock: self.index[key] = Entry(path, np.asarray(tokens, np.int32), size)
-    self.saved += 1
     self._evict(keep=key)
 
   def _evict(self, keep: str):
-    files = []
-    for p in self.dir.glob("*" + SUFFIX):
-      try: st = p.stat()
-      except OSError: continue
-      files.append((st.st_mtime, p, st.st_size))
-    total = sum(s for _, _, s in files)
-    for _, p, s in sorted(files):
+    """Delete this store's least recently used entries while they hold more than the cap. Only indexed entries are
+    candidates, sized by lstat: one whose name is no longer a regular file is dropped from the index and left alone."""
+    with self.lock: entries = list(self.index.items())
+    files, total = [], 0
+    for key, e in entries:
+      try: st = os.lstat(e.path)
+      except OSError: st = None
+      if st is None or not stat.S_ISREG(st.st_mode):
+        with self.lock: self.index.pop(key, None)
+        continue
+      files.append((st.st_mtime, key, e.path, st.st_size)); total += st.st_size
+    for _, key, p, s in sorted(files):
       if total <= self.cap: break
-      if p.stem == keep: continue
+      if key == keep: continue
       try: p.unlink()
       except OSError: continue
       total -= s
-      with self.lock: self.index.pop(p.stem, None)
+      with self.lock: self.index.pop(key, None)
       log.info("kv cache: evicted %s (%d bytes)", p.name, s)
 
   def stats(self) -> dict:

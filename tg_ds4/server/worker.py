@@ -116,13 +116,19 @@ class Worker:
         self.job_seconds = 0.8 * self.job_seconds + 0.2 * (time.perf_counter() - t)
 
   def _reuse(self, prompt: list[int]) -> int:
-    eng, start = self.engine, self.engine.reusable(prompt)
-    if self.kvstore is not None:
-      entry, n = self.kvstore.lookup(prompt)
+    eng, kv, start = self.engine, self.kvstore, self.engine.reusable(prompt)
+    if kv is None: return start
+    entry = None
+    try:
+      entry, n = kv.lookup(prompt)
       n = min(n, len(prompt) - 1)
-      if entry is not None and n >= start + MIN_DISK_GAIN and (rows := self.kvstore.load(entry)) is not None:
+      if entry is not None and n >= start + MIN_DISK_GAIN and (rows := kv.load(entry)) is not None:
         eng.load_kv_rows(entry.tokens[:n].tolist(), rows)
         start = eng.reusable(prompt)
+    except Exception as e:  # a bad saved prefix (rows that do not fit this cache, ...) costs its reuse, never the request
+      if entry is not None: kv.discard(entry, f"{type(e).__name__}: {e}", delete=True)
+      else: log.warning("kv cache: lookup failed: %s: %s", type(e).__name__, e)
+      start = eng.reusable(prompt)  # load_kv_rows empties the cache before writing: nothing half-written is reused
     return start
 
   def _generate(self, job: Job):
