@@ -3,7 +3,7 @@ ChatML template with tools), started on 127.0.0.1 in a subprocess: the official 
 equality with `generate`, 16 concurrent clients, disconnects, prefix KV reuse in memory and across a restart, every
 error status, and a fuzzer driven by the OpenAPI schema the server publishes. In-process (a scripted engine instead of
 a model): tool calls through both APIs, stop strings, 429; and the KV store's file checks."""
-import asyncio, json, os, pathlib, socket, subprocess, sys, time
+import asyncio, codecs, json, os, pathlib, socket, subprocess, sys, time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -16,14 +16,13 @@ except ImportError: import httpx  # noqa: E402
 from gguf import GGUFReader, GGUFValueType, GGUFWriter  # noqa: E402
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from tg_ds4.chat import Template  # noqa: E402
-from tg_ds4.engine import Step  # noqa: E402
 from tg_ds4.gguf import GGUFFile  # noqa: E402
 from tg_ds4.sampling import SamplingParams  # noqa: E402
 from tg_ds4.server.app import build_app  # noqa: E402
+from tg_ds4.server.guard import Allowed  # noqa: E402
+from scripted import scripted_served  # noqa: E402
 from tg_ds4.server.kvstore import KVStore, tokens_key  # noqa: E402
-from tg_ds4.server.served import Served  # noqa: E402
-from tg_ds4.server.worker import Job, Worker  # noqa: E402
+from tg_ds4.server.worker import Job  # noqa: E402
 from tg_ds4.tokenizer import Tokenizer  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -42,21 +41,22 @@ TEMPLATE = (
   "{%- elif m.role != 'system' or not loop.first %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endif %}"
   "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
-def write_chat_llama(dst: pathlib.Path, n_layer: int = 1, seed: int = 0) -> None:
-  """A 1-block llama (dim 64, GQA 4/2) with random weights, the deepseek fixture's tokenizer and TEMPLATE: compiles in
-  seconds, decodes hundreds of tokens/s, and its greedy output depends on the prompt (large embedding/output scales)."""
-  r = GGUFReader(VOCAB)
+def write_chat_llama(dst: pathlib.Path, n_layer: int = 1, seed: int = 0, vocab: pathlib.Path = VOCAB, template: str | None = TEMPLATE) -> None:
+  """A 1-block llama (dim 64, GQA 4/2) with random weights, the tokenizer of the GGUF `vocab` (default the deepseek
+  fixture's) and `template` (None: `vocab`'s own chat template): compiles in seconds, decodes hundreds of tokens/s, and
+  its greedy output depends on the prompt (large embedding/output scales)."""
+  r = GGUFReader(vocab)
   w = GGUFWriter(str(dst), "llama")
   D, H, KV, FF, V = 64, 4, 2, 128, len(r.fields["tokenizer.ggml.tokens"].contents())
   w.add_name(MODEL_ID); w.add_block_count(n_layer); w.add_context_length(512); w.add_embedding_length(D); w.add_feed_forward_length(FF)
   w.add_head_count(H); w.add_head_count_kv(KV); w.add_layer_norm_rms_eps(1e-5); w.add_rope_freq_base(10000.0)
   for name, f in r.fields.items():
-    if not name.startswith("tokenizer."): continue
+    if not name.startswith("tokenizer.") or (name == "tokenizer.chat_template" and template is not None): continue
     t = f.types[0]
     if t == GGUFValueType.ARRAY: w.add_array(name, f.contents())
     elif t == GGUFValueType.STRING: w.add_string(name, f.contents())
     else: w.add_key_value(name, f.contents(), t)
-  w.add_string("tokenizer.chat_template", TEMPLATE)
+  if template is not None: w.add_string("tokenizer.chat_template", template)
   rng = np.random.default_rng(seed)
   W = lambda *s: (rng.standard_normal(s) / np.sqrt(s[-1])).astype(np.float32)
   w.add_tensor("token_embd.weight", W(V, D) * 8); w.add_tensor("output.weight", W(V, D) * 4)
@@ -159,7 +159,8 @@ def test_openai_client_chat_stream_and_logprobs(server):
   assert sampled[0] == sampled[1]  # the same seed, the same text
   lp = c.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
   content = lp.choices[0].logprobs.content
-  assert "".join(t.token for t in content) == lp.choices[0].message.content == ch.message.content[:len(lp.choices[0].message.content)]
+  text = lp.choices[0].message.content  # the tokens' bytes up to the last whole character (a cut one is in `bytes`, not in the text)
+  assert codecs.getincrementaldecoder("utf-8")("replace").decode(b"".join(bytes(t.bytes) for t in content)) == text == ch.message.content[:len(text)]
   for t in content:  # greedy: the chosen token is the most likely one, and the top list is sorted
     assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token and abs(t.top_logprobs[0].logprob - t.logprob) < 1e-6
     assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob >= t.top_logprobs[2].logprob and t.logprob <= 0
@@ -338,24 +339,12 @@ def test_kv_cache_survives_a_restart_and_a_corrupt_file_is_ignored(server, model
 
 # *** in-process: a scripted engine behind the real app ***
 
-class ScriptedEngine:
-  """Stands in for Engine in the worker: 'generates' a fixed token script instantly and records the prompts."""
-  def __init__(self, script: list[int]): self.script, self.cached, self.prompts = script, [], []
-  def reusable(self, prompt): return 0
-  def steps(self, prompt, max_new, params=SamplingParams(), stop=frozenset(), start_pos=0, logprobs=None):
-    self.prompts.append(prompt)
-    for t in self.script[:max_new]:
-      yield Step(t, -0.5 if logprobs is not None else None, ((t, -0.5),) * (logprobs or 0))
-      if t in stop: return
-
 @pytest.fixture(scope="module")
 def tok(model): return Tokenizer.from_gguf(GGUFFile(model))
 
 def _app(tok, script: list[int], start=True, max_queue=8):
-  worker = Worker(lambda: (ScriptedEngine(script), None), max_queue=max_queue)
-  if start: worker.start().wait_loaded()
-  served = Served(MODEL_ID, frozenset({MODEL_ID}), tok, Template(TEMPLATE), 512, worker)
-  return build_app(served), worker
+  served = scripted_served(tok, script, TEMPLATE, start, max_queue)
+  return build_app(served, allowed=Allowed("127.0.0.1", frozenset({"test"}))), served.worker  # httpx's ASGI transport sends Host: test
 
 def _run(app, fn):
   async def main():

@@ -163,7 +163,9 @@ def cmd_profile(args) -> int:
 def cmd_serve(args) -> int:
   from tg_ds4.server.app import serve
   if args.max_context is not None and args.max_context < 2: raise UsageError("--max-context must be at least 2")
-  if min(args.max_queue, args.max_body_bytes, args.max_json_depth) < 1: raise UsageError("--max-queue, --max-body-bytes, --max-json-depth: >= 1")
+  if min(args.max_queue, args.max_body_bytes, args.max_json_depth, args.max_connections, args.max_parsing) < 1:
+    raise UsageError("--max-queue, --max-body-bytes, --max-json-depth, --max-connections, --max-parsing: >= 1")
+  if not (args.head_timeout > 0 and args.body_timeout > 0): raise UsageError("--head-timeout, --body-timeout: > 0 seconds")
   return serve(args)
 
 def cmd_models(args) -> int:
@@ -245,6 +247,14 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--kv-cache-min-tokens", type=int, default=256, help="save the KV state of prompts of at least this many tokens (default 256)")
   s.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413 (default 8 MiB)")
   s.add_argument("--max-json-depth", type=int, default=64, help="deeper-nested JSON bodies get 400 (default 64)")
+  s.add_argument("--max-parsing", type=int, default=2, help="request bodies parsed at once, others wait: bounds parsing memory (default 2)")
+  s.add_argument("--head-timeout", type=float, default=10.0, help="seconds a connection may take to send a request's headers (default 10)")
+  s.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request may take to send its body, else 408 (default 30)")
+  s.add_argument("--max-connections", type=int, default=256, help="open connections; at the cap the longest idle one is closed (default 256)")
+  s.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                 help="also accept requests whose Host is NAME (repeatable; '*' any). Default: the bound address and loopback names")
+  s.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                 help="accept browser requests from ORIGIN, e.g. http://localhost:3000, with CORS (repeatable; '*' any). Default: none")
   s.set_defaults(fn=cmd_serve)
   s = sub.add_parser("models", help="list the short model names")
   s.set_defaults(fn=cmd_models)

@@ -626,6 +626,10 @@ class StreamDecoder:
     self.pending, self.tail = buf[k:], (self.tail + buf[:k])[-3:]
     return self.utf8.decode(_clean_spaces(buf[:k]))
 
-  def flush(self) -> str:
+  def flush(self, drop_incomplete: bool = False) -> str:
+    """The rest of the text. A character whose bytes were cut off (generation stopped inside it) ends in U+FFFD, as
+    `decode` writes it, or with `drop_incomplete` is left out: an answer cut by max_tokens then ends at a whole character."""
     out, self.pending, self.tail = self.pending, b"", b""
-    return self.utf8.decode(_clean_spaces(out) if self.tok.clean_spaces else out, final=True)
+    text = self.utf8.decode(_clean_spaces(out) if self.tok.clean_spaces else out, final=not drop_incomplete)
+    self.utf8.reset()
+    return text

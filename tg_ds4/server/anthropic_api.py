@@ -8,11 +8,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from tg_ds4.server.body import read_json
+from tg_ds4.server.body import read_request
 from tg_ds4.server.completion import Completion, Finish, Piece, cancel_on_disconnect
 from tg_ds4.server.errors import ApiError
 from tg_ds4.server.openai_api import SSE_HEADERS, finish_tools, stream_failure
-from tg_ds4.server.schemas import AMessage, ATextBlock, AToolResultBlock, AToolUseBlock, MessagesRequest, validate
+from tg_ds4.server.schemas import AMessage, ATextBlock, AToolResultBlock, AToolUseBlock, MessagesRequest
 from tg_ds4.server.served import Served, sampling
 from tg_ds4.server.toolcalls import ToolCall
 from tg_ds4.server.wire import JSON, sse
@@ -54,17 +54,18 @@ def _tool_block(c: ToolCall, streaming: bool = False) -> dict:
 
 async def messages(request: Request):
   served: Served = request.app.state.served
-  req: MessagesRequest = validate(MessagesRequest, await read_json(request, *request.app.state.body_limits))
-  served.check_model(req.model)
-  if req.tool_choice and req.tool_choice.type not in ("auto", "none"):
-    raise ApiError(400, "tool_choice: only 'auto' and 'none' are supported (a call cannot be forced)", "tool_choice")
-  if req.thinking and req.thinking.type != "disabled": raise ApiError(400, "thinking: only type 'disabled' is supported", "thinking")
-  tools = None
-  if req.tools and not (req.tool_choice and req.tool_choice.type == "none"):
-    tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema}} for t in req.tools]
-  prompt = await run_in_threadpool(served.render, template_messages(req), tools)
-  params = sampling(req.temperature, req.top_p, req.top_k, None, None, served.tok.vocab_size)
-  c = Completion(served, prompt, req.max_tokens, params, [s for s in req.stop_sequences or [] if s], tools=bool(tools)).submit()
+  async with read_request(request, MessagesRequest) as req:  # a parsing slot, until the prompt is built
+    served.check_model(req.model)
+    if req.tool_choice and req.tool_choice.type not in ("auto", "none"):
+      raise ApiError(400, "tool_choice: only 'auto' and 'none' are supported (a call cannot be forced)", "tool_choice")
+    if req.thinking and req.thinking.type != "disabled": raise ApiError(400, "thinking: only type 'disabled' is supported", "thinking")
+    tools = None
+    if req.tools and not (req.tool_choice and req.tool_choice.type == "none"):
+      tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema}}
+               for t in req.tools]
+    prompt = await run_in_threadpool(served.render, template_messages(req), tools)
+    params = sampling(req.temperature, req.top_p, req.top_k, None, None, served.tok.vocab_size)
+    c = Completion(served, prompt, req.max_tokens, params, [s for s in req.stop_sequences or [] if s], tools=bool(tools)).submit()
   mid = "msg_" + uuid.uuid4().hex[:24]
   if req.stream: return StreamingResponse(_stream(c, served, mid), media_type="text/event-stream", headers=SSE_HEADERS)
   async with cancel_on_disconnect(request, c.job): text, _, fin = await c.collect()

@@ -9,24 +9,28 @@ import logging, pathlib, time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.routing import Route
 
 from tg_ds4.server import anthropic_api, openai_api
+from tg_ds4.server.body import BodyLimits, BodySlots
+from tg_ds4.server.connections import BACKLOG, RateLimited, connection_cap, limited_protocol
 from tg_ds4.server.errors import ApiError, api_of
+from tg_ds4.server.guard import Allowed, Guard
 from tg_ds4.server.schemas import openapi
 from tg_ds4.server.served import Served
 from tg_ds4.server.wire import JSON
 
 log = logging.getLogger("tg_ds4.server")
-MAX_BODY_BYTES = 8 << 20
-MAX_JSON_DEPTH = 64
 
 def _guarded(fn):
   """Every endpoint answers in its API's error shape, and no exception escapes to take a connection (or more) down."""
   async def run(request: Request):
     try: return await fn(request)
     except ApiError as e: return e.response(api_of(request.url.path))
+    except ClientDisconnect: return ApiError(400, "client disconnected").response(api_of(request.url.path))  # nobody reads it
     except Exception:
       log.exception("unexpected error in %s %s", request.method, request.url.path)
       return ApiError(500, "internal server error").response(api_of(request.url.path))
@@ -47,7 +51,7 @@ async def openapi_json(request: Request): return JSON(request.app.state.openapi)
 async def _http_error(request: Request, exc: HTTPException):
   return ApiError(exc.status_code, exc.detail or "error").response(api_of(request.url.path))
 
-def build_app(served: Served, max_body: int = MAX_BODY_BYTES, max_depth: int = MAX_JSON_DEPTH) -> Starlette:
+def build_app(served: Served, body: BodyLimits = BodyLimits(), allowed: Allowed = Allowed("127.0.0.1")) -> Starlette:
   routes = [Route("/v1/chat/completions", _guarded(openai_api.chat_completions), methods=["POST"]),
             Route("/v1/completions", _guarded(openai_api.completions), methods=["POST"]),
             Route("/v1/messages", _guarded(anthropic_api.messages), methods=["POST"]),
@@ -55,8 +59,10 @@ def build_app(served: Served, max_body: int = MAX_BODY_BYTES, max_depth: int = M
             Route("/v1/models/{model:path}", _guarded(model_info), methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/openapi.json", openapi_json, methods=["GET"])]
-  app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
-  app.state.served, app.state.body_limits = served, (max_body, max_depth)
+  cors = [Middleware(CORSMiddleware, allow_origins=sorted(allowed.origins), allow_methods=["GET", "POST"], allow_headers=["*"])]
+  app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error},
+                  middleware=[Middleware(Guard, allowed=allowed)] + (cors if allowed.origins else []))
+  app.state.served, app.state.body_limits, app.state.body_slots = served, body, BodySlots(body)
   app.state.openapi = openapi(f"tg_ds4 serving {served.model_id}", "1")
   return app
 
@@ -90,11 +96,19 @@ def load(model: str, max_context: int | None, kv_cache_dir: str | None = None, k
   log.info("loaded %s (%s) in %.1fs; context %d", model_id, path.name, time.perf_counter() - t0, max_ctx)
   return Served(model_id, frozenset({model_id, model, path.name, path.stem}), tok, Template.from_gguf(gf), max_ctx, worker)
 
-def serve(args) -> int:
+def run(app: Starlette, host: str, port: int, head_timeout: float = 10.0, max_connections: int = 256) -> None:
+  """uvicorn with the connection limits (`connections`); returns when the server is stopped."""
   import uvicorn
+  logging.getLogger("asyncio").addFilter(RateLimited())  # should accept() still fail, one line per 10 s, not one per try
+  http = limited_protocol(head_timeout, connection_cap(max_connections))
+  uvicorn.Server(uvicorn.Config(app, host=host, port=port, http=http, backlog=BACKLOG, log_level="info", access_log=False,
+                                timeout_graceful_shutdown=3)).run()
+
+def serve(args) -> int:
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   served = load(args.model, args.max_context, args.kv_cache_dir, parse_size(args.kv_cache_size), args.kv_cache_min_tokens, args.max_queue)
-  app = build_app(served, args.max_body_bytes, args.max_json_depth)
-  uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False, timeout_graceful_shutdown=3)).run()
+  body = BodyLimits(args.max_body_bytes, args.max_json_depth, args.body_timeout, args.max_parsing)
+  app = build_app(served, body, Allowed(args.host, frozenset(h.lower() for h in args.allow_host), frozenset(o.lower() for o in args.allow_origin)))
+  run(app, args.host, args.port, args.head_timeout, args.max_connections)
   if served.worker.kvstore: served.worker.kvstore.flush(10)
   return 0

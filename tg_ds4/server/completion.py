@@ -72,7 +72,7 @@ class Completion:
           if (tail := ts.flush()) or pending: yield Piece(tail, pending)
           yield Finish("length" if ev.reason == "length" else "stop", None, ts.captured, self.usage)
           return
-        elif isinstance(ev, Failed): raise ApiError(500, f"generation failed: {ev.message}")
+        elif isinstance(ev, Failed): raise ApiError(500, f"generation failed (job {job.id}; the server log has the details)")
     finally: job.cancel()  # done, stopped early, or the client left: nothing more is wanted
 
   async def collect(self) -> tuple[str, list[Step], Finish]:

@@ -1,13 +1,14 @@
 """Errors as each API shapes them: OpenAI `{"error": {message, type, param, code}}`, Anthropic `{"type": "error", "error":
-{type, message}}`. Handlers raise ApiError; the app renders it for the API the path belongs to."""
+{type, message}}`. Handlers raise ApiError; the app renders it for the API the path belongs to. A 500 says only that it
+happened (and, for a generation, the job id the server log names): internal exception types and messages stay in the log."""
 from __future__ import annotations
 
 from tg_ds4.server.wire import JSON
 
-_OPENAI_TYPE = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-                500: "server_error", 503: "server_error"}
-_ANTHROPIC_TYPE = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                   500: "api_error", 503: "overloaded_error"}
+_OPENAI_TYPE = {400: "invalid_request_error", 403: "permission_error", 404: "invalid_request_error", 408: "invalid_request_error",
+                413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+_ANTHROPIC_TYPE = {400: "invalid_request_error", 403: "permission_error", 404: "not_found_error", 408: "invalid_request_error",
+                   413: "request_too_large", 415: "invalid_request_error", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
 
 class ApiError(Exception):
   def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None):

@@ -9,10 +9,10 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from tg_ds4.engine import Step
-from tg_ds4.server.body import read_json
+from tg_ds4.server.body import read_request
 from tg_ds4.server.completion import Completion, Finish, Piece, cancel_on_disconnect
 from tg_ds4.server.errors import ApiError
-from tg_ds4.server.schemas import ChatMessage, ChatRequest, CompletionRequest, Sampling, validate
+from tg_ds4.server.schemas import ChatMessage, ChatRequest, CompletionRequest, Sampling
 from tg_ds4.server.served import Served, sampling
 from tg_ds4.server.toolcalls import ToolCall, parse
 from tg_ds4.server.wire import JSON, sse
@@ -70,18 +70,18 @@ def _message(m: ChatMessage) -> dict:
 
 async def chat_completions(request: Request):
   served: Served = request.app.state.served
-  req: ChatRequest = validate(ChatRequest, await read_json(request, *request.app.state.body_limits))
-  served.check_model(req.model)
-  _unsupported(req)
-  if req.response_format and req.response_format.type != "text":
-    raise ApiError(400, "response_format: only type 'text' is supported", "response_format")
-  if req.tool_choice is not None and req.tool_choice not in ("auto", "none"):
-    raise ApiError(400, "tool_choice: only 'auto' and 'none' are supported (a call cannot be forced)", "tool_choice")
-  if req.top_logprobs is not None and not req.logprobs: raise ApiError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
-  tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
-  prompt = await run_in_threadpool(served.render, [_message(m) for m in req.messages], tools)  # a long prompt must not stall the event loop
-  c = Completion(served, prompt, req.max_completion_tokens or req.max_tokens, _params(req, served), _stops(req.stop),
-                 (req.top_logprobs or 0) if req.logprobs else None, tools=bool(tools)).submit()
+  async with read_request(request, ChatRequest) as req:  # a parsing slot, until the prompt is built
+    served.check_model(req.model)
+    _unsupported(req)
+    if req.response_format and req.response_format.type != "text":
+      raise ApiError(400, "response_format: only type 'text' is supported", "response_format")
+    if req.tool_choice is not None and req.tool_choice not in ("auto", "none"):
+      raise ApiError(400, "tool_choice: only 'auto' and 'none' are supported (a call cannot be forced)", "tool_choice")
+    if req.top_logprobs is not None and not req.logprobs: raise ApiError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
+    prompt = await run_in_threadpool(served.render, [_message(m) for m in req.messages], tools)  # a long prompt must not stall the event loop
+    c = Completion(served, prompt, req.max_completion_tokens or req.max_tokens, _params(req, served), _stops(req.stop),
+                   (req.top_logprobs or 0) if req.logprobs else None, tools=bool(tools)).submit()
   cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
   if req.stream:
     usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -119,7 +119,7 @@ async def _chat_stream(c: Completion, served: Served, cid: str, created: int, lo
 def stream_failure(e: Exception) -> ApiError:
   """Headers are out: an unexpected error can only be reported in the stream."""
   log.exception("error while streaming")
-  return ApiError(500, f"internal error: {type(e).__name__}")
+  return ApiError(500, "internal server error")
 
 # *** legacy completions ***
 
@@ -141,14 +141,14 @@ def _completion_logprobs(served: Served, steps: list[Step]) -> dict:
 
 async def completions(request: Request):
   served: Served = request.app.state.served
-  req: CompletionRequest = validate(CompletionRequest, await read_json(request, *request.app.state.body_limits))
-  served.check_model(req.model)
-  _unsupported(req)
-  if req.echo: raise ApiError(400, "echo: not supported", "echo")
-  if req.suffix: raise ApiError(400, "suffix: not supported", "suffix")
-  if req.best_of not in (None, 1): raise ApiError(400, "best_of: only 1 is supported", "best_of")
-  prompt = await run_in_threadpool(_prompt_ids, served, req.prompt)
-  c = Completion(served, prompt, req.max_tokens, _params(req, served), _stops(req.stop), req.logprobs).submit()
+  async with read_request(request, CompletionRequest) as req:  # a parsing slot, until the prompt is built
+    served.check_model(req.model)
+    _unsupported(req)
+    if req.echo: raise ApiError(400, "echo: not supported", "echo")
+    if req.suffix: raise ApiError(400, "suffix: not supported", "suffix")
+    if req.best_of not in (None, 1): raise ApiError(400, "best_of: only 1 is supported", "best_of")
+    prompt = await run_in_threadpool(_prompt_ids, served, req.prompt)
+    c = Completion(served, prompt, req.max_tokens, _params(req, served), _stops(req.stop), req.logprobs).submit()
   cid, created = "cmpl-" + uuid.uuid4().hex, int(time.time())
   base = {"id": cid, "object": "text_completion", "created": created, "model": served.model_id}
   lp = req.logprobs is not None

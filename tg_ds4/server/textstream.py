@@ -37,7 +37,7 @@ class TextStream:
 
   def feed(self, token: int) -> tuple[str, bool]: return self._push(self.dec.feed(token), final=False)
 
-  def flush(self) -> str: return self._push(self.dec.flush(), final=True)[0]
+  def flush(self) -> str: return self._push(self.dec.flush(drop_incomplete=True), final=True)[0]  # no U+FFFD for a cut character
 
   def _push(self, text: str, final: bool) -> tuple[str, bool]:
     if self.stopped_by is not None: return "", True
