@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from tinygrad import Device, Tensor, UOp, dtypes
 from tinygrad.function import function
 
-from tg_ds4 import actquant
+from tg_ds4 import actquant, stepcache
 from tg_ds4.config import Gating, RopeConfig, RopeType
 from tg_ds4.gguf import GGUFError, GGUFFile
 from tg_ds4.layers import Embedding, Linear, Param, Params, RMSNorm, load_weights
@@ -449,9 +449,10 @@ class DS4Transformer:
     conj = Tensor([1.0, -1.0], device=device)
     model.tabs = Tables(main, comp, (main * conj).realize(), (comp * conj).realize())
     for b in model.blk: b.attn.init_cache(model.max_ctx, C, device)
-    model.decode_jit = Jit(lambda t, sp: model.forward(t, sp).realize())
-    model.prefill_jit = Jit(lambda t, sp, sel: model.forward(t, sp, select=sel).realize())
-    model.chunk_jit = Jit(lambda t, sp: model.forward(t, sp).realize())
+    model.steps = stepcache.for_model(model, gf, device, max_ctx=model.max_ctx, llama_cpp_activations=llama_cpp_activations)
+    model.decode_jit = Jit(lambda t, sp: model.forward(t, sp).realize(), model.steps, "decode")
+    model.prefill_jit = Jit(lambda t, sp, sel: model.forward(t, sp, select=sel).realize(), model.steps, "prefill")
+    model.chunk_jit = Jit(lambda t, sp: model.forward(t, sp).realize(), model.steps, "chunk")
     return model
 
   def forward(self, tokens: Tensor | UOp, start_pos: int | UOp, last_only: bool = False, select: Tensor | None = None) -> Tensor:

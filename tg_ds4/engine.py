@@ -78,9 +78,12 @@ class Engine:
     m = self.model
     self._pos = lambda p: UOp.variable("start_pos", 0, m.max_ctx - 1).bind(p)
     self._tok = lambda t: UOp.variable("token", 0, m.cfg.n_vocab - 1).bind(t)  # a variable: the embedding reads one row
-    self._greedy_step = Jit(lambda tok, sp: greedy(m.forward(tok, sp, last_only=True)[:, -1]).realize())
-    self._sample_step = Jit(lambda tok, sp, t, k, p, mp, rng: sample(m.forward(tok, sp, last_only=True)[:, -1], t, k, p, mp, rng).realize())
+    steps = getattr(m, "steps", None)
+    self._greedy_step = Jit(lambda tok, sp: greedy(m.forward(tok, sp, last_only=True)[:, -1]).realize(), steps, "greedy")
+    self._sample_step = Jit(lambda tok, sp, t, k, p, mp, rng: sample(m.forward(tok, sp, last_only=True)[:, -1], t, k, p, mp, rng).realize(),
+                            steps, "sample")
     self._lp_steps: dict[tuple[bool, int], Jit] = {}  # (greedy, k) -> step that also returns logprobs; built on first use
+    self._heads: dict[tuple[bool, int | None], Jit] = {}
 
   def _lp_step(self, is_greedy: bool, k: int) -> Jit:
     if (key := (is_greedy, k)) not in self._lp_steps:
@@ -88,8 +91,19 @@ class Engine:
       def step(tok, sp, *sargs):
         logits = m.forward(tok, sp, last_only=True)[:, -1]
         return _with_logprobs(logits, greedy(logits) if is_greedy else sample(logits, *sargs), k).realize()
-      self._lp_steps[key] = Jit(step)
+      self._lp_steps[key] = Jit(step, getattr(m, "steps", None), f"logprobs-{'greedy' if is_greedy else 'sample'}-{k}")
     return self._lp_steps[key]
+
+  def _head(self, is_greedy: bool, k: int | None) -> Jit:
+    """The first token from the prefill's `[1, 1, vocab]` logits, as a captured step like the others (so a warm start
+    lowers nothing): greedy or sampled, with k logprobs or none."""
+    if (key := (is_greedy, k)) not in self._heads:
+      def head(out, *sargs):
+        logits = out[:, -1]
+        tok = greedy(logits) if is_greedy else sample(logits, *sargs)
+        return (tok if k is None else _with_logprobs(logits, tok, k)).realize()
+      self._heads[key] = Jit(head, getattr(self.model, "steps", None), f"head-{'greedy' if is_greedy else 'sample'}-{'ids' if k is None else k}")
+    return self._heads[key]
 
   def reusable(self, prompt: list[int]) -> int:
     """How many leading tokens of `prompt` the cache already holds, at most len(prompt) - 1: the last prompt token is
@@ -124,10 +138,9 @@ class Engine:
     self.stats = st = Stats(prompt_tokens=n - start_pos)
     self.cached = list(prompt[:start_pos])  # rows past start_pos are about to be overwritten
     t0 = time.perf_counter()
-    logits = m.prefill_last(prompt[start_pos:], start_pos=start_pos)[:, -1]
-    tok = (greedy(logits) if params.greedy else sample(logits, *sp, rng(0))).realize()
     k = next(b for b in TOP_LOGPROBS_BUCKETS if b >= logprobs) if logprobs is not None else 0  # few distinct k: few captured steps
-    if logprobs is not None: tok = _with_logprobs(logits, tok, k).realize()
+    out = m.prefill_last(prompt[start_pos:], start_pos=start_pos)
+    tok = self._head(params.greedy, k if logprobs is not None else None)(out, *(() if params.greedy else (*sp, rng(0))))
     self.cached = list(prompt)
     st.prefill_s = st.first_token_s = time.perf_counter() - t0
     t1 = time.perf_counter()

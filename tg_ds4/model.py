@@ -7,7 +7,7 @@ import dataclasses, os, pathlib
 
 from tinygrad import Device, Tensor, UOp, dtypes
 
-from tg_ds4 import actquant
+from tg_ds4 import actquant, stepcache
 from tg_ds4.attention import GQA
 from tg_ds4.config import ModelConfig
 from tg_ds4.gguf import GGUFError, GGUFFile
@@ -86,8 +86,10 @@ class Transformer:
     model.rope = rope_table(cfg.rope, rows, device)
     model.rope_swa = rope_table(dataclasses.replace(cfg.rope, base=cfg.rope_base_swa), rows, device) if cfg.swa_layers else None
     for b in model.blk: b.attn.init_cache(rows, device)
-    model.decode_jit = Jit(model._decode)
-    model.prefill_jits = {C: Jit(lambda t, sp, sel: model.forward(t, sp, select=sel).realize()) for C in model.PREFILL_CHUNKS}
+    model.steps = stepcache.for_model(model, gf, device, max_ctx=model.max_ctx, llama_cpp_activations=llama_cpp_activations)
+    model.decode_jit = Jit(model._decode, model.steps, "decode")
+    model.prefill_jits = {C: Jit(lambda t, sp, sel: model.forward(t, sp, select=sel).realize(), model.steps, f"prefill-{C}")
+                          for C in model.PREFILL_CHUNKS}
     return model
 
   def forward(self, tokens: Tensor | UOp, start_pos: int | UOp, last_only: bool = False, select: Tensor | None = None) -> Tensor:

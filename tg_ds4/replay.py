@@ -11,16 +11,19 @@ not a plain CPU kernel goes through tinygrad's executor as before, and so does e
 `TG_DS4_THREADS` sets the thread count (default: tinygrad's NUM_CPU_THREADS, the parts a kernel is split into)."""
 from __future__ import annotations
 
-import ctypes, functools, hashlib, os, pathlib, subprocess, tempfile
+import ctypes, functools, hashlib, logging, os, pathlib, subprocess, tempfile
 from dataclasses import dataclass
 
-from tinygrad.engine.jit import CapturedJit, _copy_input, _TinyJit
+from tinygrad.engine.jit import CapturedJit, JitError, _copy_input, _TinyJit
 from tinygrad.engine.realize import ExecContext, _resolve, estimate_uop, get_call_arg_uops, get_runtime, pm_exec, track_stats
 from tinygrad.helpers import DEBUG, NUM_CPU_THREADS, PROFILE, GlobalCounters, perf_counter_us, to_tuple
 from tinygrad.runtime.ops_cpu import MAX_ARGS, CPUProgram
 from tinygrad.uop.ops import Ops, UOp, sym_infer
 
 from tg_ds4.registry import cache_dir
+from tg_ds4.stepcache import StepCache
+
+log = logging.getLogger("tg_ds4")
 
 class _Op(ctypes.Structure):  # op_t in cpu_runner.c
   _fields_ = [("fn", ctypes.c_void_p), ("nargs", ctypes.c_int32), ("parts", ctypes.c_int32), ("core_slot", ctypes.c_int32),
@@ -112,9 +115,30 @@ def _runner_available() -> bool:
   except (OSError, subprocess.CalledProcessError): return False
 
 class Jit(_TinyJit):
-  """TinyJit whose capture is replayed by FastCPUReplay (same kernels, same order, same results)."""
+  """TinyJit whose capture is replayed by FastCPUReplay (same kernels, same order, same results).
+
+  With a step cache and a step name, a capture saved by an earlier process is loaded instead of capturing, and a new
+  capture is saved. It captures on its first call (TinyJit runs a first call uncaptured, then captures the second: two
+  schedules for one step, and a step run once, like a short prompt's prefill chunk, never captured at all)."""
+  def __init__(self, fxn, cache: StepCache | None = None, name: str | None = None):
+    super().__init__(fxn)
+    self.cache, self.name, self.cnt = cache, name, 1
+    self.loaded = False
+
+  def _fast(self, c: CapturedJit) -> CapturedJit:
+    if type(c) is not CapturedJit or os.environ.get("TG_DS4_FAST_REPLAY", "1") == "0" or not _runner_available(): return c
+    return FastCPUReplay(c.ret, c._linear, c.expected_names, c.expected_input_info)
+
   def __call__(self, *args, **kwargs):
-    ret = super().__call__(*args, **kwargs)
-    if type(c := self.captured) is CapturedJit and os.environ.get("TG_DS4_FAST_REPLAY", "1") != "0" and _runner_available():
-      self.captured = FastCPUReplay(c.ret, c._linear, c.expected_names, c.expected_input_info)
+    if self.captured is None and self.cache is not None and (c := self.cache.load(self.name)) is not None:
+      self.captured, self.cnt, self.loaded = self._fast(c), 2, True
+    try: ret = super().__call__(*args, **kwargs)
+    except JitError:
+      if not self.loaded or self.cnt != 2: raise
+      log.warning("step cache: %s does not fit this call; capturing it again", self.name)  # inputs of another shape or dtype
+      self.captured, self.cnt, self.loaded = None, 1, False
+      ret = super().__call__(*args, **kwargs)
+    if type(c := self.captured) is CapturedJit:
+      if self.cache is not None and not self.loaded: self.cache.save(self.name, c)
+      self.captured = self._fast(c)
     return ret
