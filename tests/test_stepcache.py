@@ -113,3 +113,8 @@ def test_two_cold_processes_at_once(tmp_path):
   warm = subprocess.run(args, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
   assert warm.returncode == 0 and warm.stdout == outs[0][0]
   assert not list((tmp_path / "steps").glob(".*.tmp"))
+  listed = subprocess.run([sys.executable, "-m", "tg_ds4", "cache"], capture_output=True, text=True, cwd=REPO, env=env, timeout=120).stdout
+  n = len(list((tmp_path / "steps").glob("*.step")))
+  assert n >= 3 and f"{n} entries" in listed and "prefill-32" in listed and DS3.name in listed, listed
+  cleared = subprocess.run([sys.executable, "-m", "tg_ds4", "cache", "--clear"], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+  assert f"removed {n} step cache entries" in cleared.stdout and not list((tmp_path / "steps").iterdir())

@@ -173,6 +173,23 @@ def cmd_models(args) -> int:
   for name, e in registry().items(): print(f"{name:<20} {'cached' if e.path.exists() else 'not cached':<11} {e.description}")
   return 0
 
+def cmd_cache(args) -> int:
+  import time
+  from tg_ds4 import stepcache
+  if args.clear:
+    n, size = stepcache.clear()
+    print(f"removed {n} step cache entries ({size / 1e6:.1f} MB) from {stepcache.directory()}")
+    return 0
+  rows = stepcache.entries()
+  for p, h, st in rows:
+    age = time.time() - st.st_mtime
+    what = f"{h['step']:<18} {h.get('device', '?'):<6} {h.get('model', '')}" if h else "(unreadable: ignored and replaced when met)"
+    print(f"{p.stem[:12]}  {st.st_size / 1e6:7.2f} MB  used {age / 3600:6.1f} h ago  {what}")
+  total = sum(st.st_size for _, _, st in rows)
+  state = "off (TG_DS4_STEP_CACHE=0)" if not stepcache.enabled() else f"cap {stepcache.cap_bytes() / 1e6:.0f} MB"
+  print(f"{len(rows)} entries, {total / 1e6:.1f} MB in {stepcache.directory()} ({state})")
+  return 0
+
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="tg_ds4", description="DeepSeek-family GGUF inference on tinygrad")
   sub = p.add_subparsers(dest="command", required=True)
@@ -258,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
   s.set_defaults(fn=cmd_serve)
   s = sub.add_parser("models", help="list the short model names")
   s.set_defaults(fn=cmd_models)
+  s = sub.add_parser("cache", help="list the persisted captured steps (what a warm start loads instead of lowering), or --clear them")
+  s.add_argument("--clear", action="store_true", help="delete every entry")
+  s.set_defaults(fn=cmd_cache)
   return p
 
 def add_beam(s: argparse.ArgumentParser) -> None:

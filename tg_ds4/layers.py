@@ -100,6 +100,24 @@ def _walk(obj, prefix: str = ""):
     elif isinstance(v, list) or _is_module(v):
       yield from _walk(v, prefix if getattr(v, "gguf_flat", False) else name + ".")
 
+def named_tensors(obj, prefix: str = "", seen: set[int] | None = None, flat: bool = True):
+  """Yield (name, Tensor) for every tensor below `obj` (weights, caches, tables; a packed weight as its blocks), named as
+  `load_weights` names them (honouring `gguf_flat`), or with `flat=False` by attribute path (unique: two flattened
+  components may hold state of the same name). Each object is visited once: the model reaches itself through its step
+  cache. Objects whose class sets `holds_model_state = False` (captured steps, the step cache) are not entered."""
+  seen = set() if seen is None else seen
+  if id(obj) in seen: return
+  seen.add(id(obj))
+  items = enumerate(obj) if isinstance(obj, (list, tuple)) else obj.items() if isinstance(obj, dict) else \
+    vars(obj).items() if hasattr(obj, "__dict__") else ()
+  for k, v in items:
+    name = f"{prefix}{k}"
+    if isinstance(v, QTensor): v = v.blocks
+    if isinstance(v, Tensor): yield name, v
+    elif isinstance(v, (list, tuple, dict)) or \
+        (type(v).__module__.startswith("tg_ds4.") and hasattr(v, "__dict__") and getattr(v, "holds_model_state", True)):
+      yield from named_tensors(v, prefix if flat and getattr(v, "gguf_flat", False) else name + ".", seen, flat)
+
 def packed_weights(obj):
   """Yield (owner, attr, QTensor) for every loaded packed weight below `obj` (owner[attr] or owner.attr holds it)."""
   for k, v in list(enumerate(obj) if isinstance(obj, list) else vars(obj).items()):

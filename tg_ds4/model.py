@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses, os, pathlib
 
-from tinygrad import Device, Tensor, UOp, dtypes
+from tinygrad import Context, Device, Tensor, UOp, dtypes
 
 from tg_ds4 import actquant, stepcache
 from tg_ds4.attention import GQA
@@ -68,9 +68,16 @@ class Transformer:
     """Load a model. `llama_cpp_activations` rounds quantized-matmul inputs as llama.cpp's CPU backend does (see
     actquant.py): for token-exact comparisons with llama.cpp; the default is exact float math."""
     gf = path if isinstance(path, GGUFFile) else GGUFFile(path)
-    if gf.arch == "deepseek4":  # V4 (hyper-connections, compressed KV): its own model class with the same interface
-      from tg_ds4.ds4 import DS4Transformer
-      return DS4Transformer.from_gguf(gf, max_ctx, device, llama_cpp_activations)  # type: ignore[return-value]
+    # the few small kernels of a load (zeroed caches, rope tables, stacked rows) are lowered in this process: starting
+    # tinygrad's pool of compile workers for them costs ~0.8 s, most of a warm start
+    with Context(PARALLEL=0):
+      if gf.arch == "deepseek4":  # V4 (hyper-connections, compressed KV): its own model class with the same interface
+        from tg_ds4.ds4 import DS4Transformer
+        return DS4Transformer.from_gguf(gf, max_ctx, device, llama_cpp_activations)  # type: ignore[return-value]
+      return Transformer._load(gf, max_ctx, device, llama_cpp_activations)
+
+  @staticmethod
+  def _load(gf: GGUFFile, max_ctx: int | None, device: str | None, llama_cpp_activations: bool) -> Transformer:
     cfg = ModelConfig.from_gguf(gf)
     device = device or Device.DEFAULT
     model = Transformer(cfg, gf)

@@ -18,7 +18,7 @@ from tinygrad import Context, Tensor, UOp, dtypes
 from tinygrad.engine import realize
 from tinygrad.uop.ops import Ops, sym_infer
 
-from tg_ds4.quant import QTensor
+from tg_ds4.layers import named_tensors
 from tg_ds4.replay import Jit
 from tg_ds4.sampling import greedy
 
@@ -33,15 +33,12 @@ RANK = {op: i for i, (_, op) in enumerate(OPS)}
 CATEGORIES = ["embed", "norm", "attn q", "attn kv", "absorb", "scores", "softmax", "attn·v", "attn out", "indexer", "compressor",
               "hyper-conn", "router", "top-k", "experts", "shared expert", "ffn", "head", "sampling", "other"]
 
-def named_buffers(obj, prefix: str = "") -> dict:
-  """{Buffer: GGUF-style name} for every weight and state tensor below `obj` (caches included), honouring `gguf_flat`."""
-  out, items = {}, enumerate(obj) if isinstance(obj, list) else vars(obj).items() if hasattr(obj, "__dict__") else ()
-  for k, v in items:
-    t = v.blocks if isinstance(v, QTensor) else v if isinstance(v, Tensor) else None
-    if t is not None:
-      with contextlib.suppress(Exception): out[t.uop.buffer] = f"{prefix}{k}"  # unrealized (lazy) tensors have no buffer yet
-    elif isinstance(v, list) or (type(v).__module__.startswith("tg_ds4.") and hasattr(v, "__dict__")):
-      out.update(named_buffers(v, prefix if getattr(v, "gguf_flat", False) else f"{prefix}{k}."))
+def named_buffers(obj) -> dict:
+  """{Buffer: GGUF-style name} for every weight and state tensor below `obj` (caches included); a buffer several tensors
+  view (a fused weight and its parts) gets the last name."""
+  out = {}
+  for name, t in named_tensors(obj):
+    with contextlib.suppress(Exception): out[t.uop.buffer] = name  # unrealized (lazy) tensors have no buffer yet
   return out
 
 def _op_of(name: str) -> str | None: return next((op for pat, op in OPS if re.search(pat, name)), None)

@@ -120,6 +120,7 @@ class Jit(_TinyJit):
   With a step cache and a step name, a capture saved by an earlier process is loaded instead of capturing, and a new
   capture is saved. It captures on its first call (TinyJit runs a first call uncaptured, then captures the second: two
   schedules for one step, and a step run once, like a short prompt's prefill chunk, never captured at all)."""
+  holds_model_state = False  # its capture refers to the model's buffers; layers.named_tensors names them from the model
   def __init__(self, fxn, cache: StepCache | None = None, name: str | None = None):
     super().__init__(fxn)
     self.cache, self.name, self.cnt = cache, name, 1

@@ -23,13 +23,12 @@ import contextlib, dataclasses, functools, hashlib, io, json, logging, os, pathl
 from dataclasses import dataclass
 
 import numpy as np
-from tinygrad import Tensor
 from tinygrad.dtype import _to_np_dtype
 from tinygrad.device import Buffer, Device
-from tinygrad.engine.jit import _TinyJit
 from tinygrad.helpers import ContextVar
 from tinygrad.uop.ops import Ops, UOp, buffers
 
+from tg_ds4.layers import named_tensors
 from tg_ds4.registry import cache_dir
 
 log = logging.getLogger("tg_ds4")
@@ -84,29 +83,20 @@ def for_model(model, gf, device: str, **settings) -> StepCache | None:
   """The step cache of a loaded model (None when TG_DS4_STEP_CACHE=0). `settings`: whatever else of the model changes
   its graphs (max context, activation rounding)."""
   if not enabled(): return None
-  return StepCache(model, {"device": device, "model": file_identity(gf), "class": type(model).__name__, **settings})
+  label = f"{gf.path.name} " + " ".join(f"{k}={v}" for k, v in settings.items())
+  return StepCache(model, {"device": device, "model": file_identity(gf), "class": type(model).__name__, **settings}, label)
 
 # *** naming the model's buffers ***
 
 def named_buffers(model) -> dict[Buffer, tuple[UOp, str, int, str]]:
-  """Every realized buffer reachable from the model's attributes -> (its BUFFER uop, attribute path, size, dtype name).
-  Keyed by the Buffer: a capture may reach it through another uop (tinygrad's `UOp.from_buffer`). The path of a buffer
-  reached twice is the first one found (attributes in definition order)."""
+  """Every realized buffer of the model's tensors -> (its BUFFER uop, attribute path, size, dtype name). Keyed by the
+  Buffer: a capture may reach it through another uop (tinygrad's `UOp.from_buffer`). A buffer several tensors view keeps
+  the first path (attributes in definition order, so the same path in every process). Paths, not GGUF names: a name
+  two buffers shared would bind one in the other's place at load."""
   out: dict[Buffer, tuple[UOp, str, int, str]] = {}
-  seen: set[int] = set()
-  def walk(obj, path: str):
-    if id(obj) in seen: return
-    seen.add(id(obj))
-    if isinstance(obj, Tensor):
-      if (b := obj.uop.base).op is Ops.BUFFER and b.is_realized: out.setdefault(b.buffer, (b, path, b.buffer.size, b.buffer.dtype.name))
-    elif isinstance(obj, (list, tuple)):
-      for i, x in enumerate(obj): walk(x, f"{path}.{i}")
-    elif isinstance(obj, dict):
-      for k, x in obj.items():
-        if isinstance(k, (str, int)): walk(x, f"{path}.{k}")
-    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("tg_ds4") and not isinstance(obj, (_TinyJit, StepCache)):
-      for k, x in vars(obj).items(): walk(x, f"{path}.{k}" if path else k)
-  walk(model, "")
+  for name, t in named_tensors(model, flat=False):
+    if (b := t.uop.base).op is Ops.BUFFER and b.is_realized: out.setdefault(b.buffer, (b, name, b.buffer.size, b.buffer.dtype.name))
+  if len({v[1] for v in out.values()}) != len(out): raise ValueError("two model buffers under one path")
   return out
 
 class StaleEntry(ValueError): pass
@@ -166,8 +156,10 @@ class _Unpickler(pickle.Unpickler):
 @dataclass
 class StepCache:
   """The entries of one loaded model: `key(name)` per step; `load(name)` / `save(name, captured)`."""
+  holds_model_state = False  # (layers.named_tensors does not walk back into the model from here)
   model: object
   identity: dict          # model file identity and settings (max context, ...); the environment is added here
+  label: str = ""         # what `tg_ds4 cache` shows (the file name; not part of the key)
   dir: pathlib.Path = dataclasses.field(default_factory=directory)
   loaded: int = 0
   saved: int = 0
@@ -203,7 +195,8 @@ class StepCache:
     try:
       f = io.BytesIO()
       _Pickler(f, named_buffers(self.model), captured._written_uops).dump(captured)
-      header = json.dumps({"format": FORMAT, "key": self.key(name), "step": name, "created": time.time()}).encode()
+      header = json.dumps({"format": FORMAT, "key": self.key(name), "step": name, "model": self.label, "device": self.identity["device"],
+                           "created": time.time()}).encode()
       body = MAGIC + struct.pack("<I", len(header)) + header + f.getvalue()
       self.dir.mkdir(parents=True, exist_ok=True)
       p, tmp = self.path(name), self.dir / f".{self.key(name)}.{os.getpid()}.tmp"
@@ -236,6 +229,13 @@ def entries(d: pathlib.Path | None = None) -> list[tuple[pathlib.Path, dict | No
     except OSError: continue
     out.append((p, header, st))
   return sorted(out, key=lambda e: e[2].st_mtime)
+
+def clear(d: pathlib.Path | None = None) -> tuple[int, int]:
+  """Delete every entry (and stray temp file); returns (files, bytes)."""
+  n = size = 0
+  for p in [*(d or directory()).glob("*" + SUFFIX), *(d or directory()).glob(".*.tmp")]:
+    with contextlib.suppress(OSError): s = p.lstat().st_size; p.unlink(); n, size = n + 1, size + s
+  return n, size
 
 def evict(d: pathlib.Path, cap: int, keep: pathlib.Path | None = None) -> None:
   files = []
