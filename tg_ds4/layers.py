@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from tinygrad import Tensor, UOp, dtypes
+from tinygrad.dtype import _to_np_dtype
 from tinygrad.helpers import prod
+from tinygrad.uop.ops import Ops
 
 from tg_ds4.actquant import round_activations
 from tg_ds4.gguf import GGUFError, GGUFFile
@@ -48,11 +52,21 @@ def fusable(*parts: Linear) -> bool:
   return len({(type(w := p.weight), w.qtype if isinstance(w, QTensor) else w.dtype, tuple(w.shape[1:]), p.bias is None)
               for p in parts}) == 1 and len(parts[0].weight.shape) == 2
 
+def _host(t: Tensor) -> np.ndarray | None:
+  """A CPU tensor that is all of a realized buffer (reshaped at most), as numpy, read without lowering a kernel (a warm
+  start lowers nothing); None for anything else (a view, a lazy value, another device)."""
+  u = t.uop
+  while u.op is Ops.RESHAPE: u = u.src[0]
+  if u.op is not Ops.BUFFER or not u.is_realized or not str(t.device).startswith("CPU") or u.buffer.nbytes != t.nbytes(): return None
+  return np.frombuffer(u.buffer.as_memoryview(), _to_np_dtype(t.dtype)).reshape(t.shape)
+
 def _stack_rows(ws: list[Weight]) -> tuple[Weight, list[Weight]]:
   """`ws` (one kind, same trailing shape) stacked along the first axis into one realized weight, and views of it for
   each part."""
   data = [w.blocks if isinstance(w, QTensor) else w for w in ws]
-  whole = data[0].cat(*data[1:]).contiguous().realize()
+  host = [_host(t) for t in data]
+  if all(h is not None for h in host): whole = Tensor(np.concatenate(host), device=data[0].device).realize()  # a copy, no kernel
+  else: whole = data[0].cat(*data[1:]).contiguous().realize()
   wrap = (lambda t: QTensor(t, ws[0].qtype, (t.shape[0], *ws[0].shape[1:]))) if isinstance(ws[0], QTensor) else (lambda t: t)
   offs = [0] + [sum(w.shape[0] for w in ws[:i + 1]) for i in range(len(ws))]
   return wrap(whole), [wrap(whole[offs[i]:offs[i + 1]]) for i in range(len(ws))]

@@ -7,7 +7,7 @@ import dataclasses, os, pathlib
 
 from tinygrad import Context, Device, Tensor, UOp, dtypes
 
-from tg_ds4 import actquant, stepcache
+from tg_ds4 import actquant, quant, stepcache
 from tg_ds4.attention import GQA
 from tg_ds4.config import ModelConfig
 from tg_ds4.gguf import GGUFError, GGUFFile
@@ -71,6 +71,7 @@ class Transformer:
     # the few small kernels of a load (zeroed caches, rope tables, stacked rows) are lowered in this process: starting
     # tinygrad's pool of compile workers for them costs ~0.8 s, most of a warm start
     with Context(PARALLEL=0):
+      quant.realize_tables(device or Device.DEFAULT)
       if gf.arch == "deepseek4":  # V4 (hyper-connections, compressed KV): its own model class with the same interface
         from tg_ds4.ds4 import DS4Transformer
         return DS4Transformer.from_gguf(gf, max_ctx, device, llama_cpp_activations)  # type: ignore[return-value]

@@ -78,8 +78,13 @@ _TABLES = _tables()
 
 @functools.cache
 def _table(name: str, device: str) -> Tensor:
-  # realized once per device (at graph build time), so a kernel indexing it only adds the tiny, capped table read
+  # realized once per device, so a kernel indexing it only adds the tiny, capped table read
   return Tensor(_TABLES[name], device=device).realize()
+
+def realize_tables(device: str) -> None:
+  """Every lookup table on `device`, before any step is captured: a table first realized while a step is captured
+  would have its copy captured into the step, and redone at every replay."""
+  for name in _TABLES: _table(name, device)
 
 # ---------------------------------------------------------------- packed blocks
 

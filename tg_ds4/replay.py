@@ -11,14 +11,14 @@ not a plain CPU kernel goes through tinygrad's executor as before, and so does e
 `TG_DS4_THREADS` sets the thread count (default: tinygrad's NUM_CPU_THREADS, the parts a kernel is split into)."""
 from __future__ import annotations
 
-import ctypes, functools, hashlib, logging, os, pathlib, subprocess, tempfile
+import collections, ctypes, functools, hashlib, logging, os, pathlib, subprocess, tempfile
 from dataclasses import dataclass
 
 from tinygrad.engine.jit import CapturedJit, JitError, _copy_input, _TinyJit
 from tinygrad.engine.realize import ExecContext, _resolve, estimate_uop, get_call_arg_uops, get_runtime, pm_exec, track_stats
 from tinygrad.helpers import DEBUG, NUM_CPU_THREADS, PROFILE, GlobalCounters, perf_counter_us, to_tuple
 from tinygrad.runtime.ops_cpu import MAX_ARGS, CPUProgram
-from tinygrad.uop.ops import Ops, UOp, sym_infer
+from tinygrad.uop.ops import Ops, UOp
 
 from tg_ds4.registry import cache_dir
 from tg_ds4.stepcache import StepCache
@@ -53,8 +53,19 @@ class _Segment:
   ops: ctypes.Array
   slots: list[tuple[UOp, str] | str]  # what each per-call word is: a JIT input buffer (and device), or a symbolic value's name
   count: int
-  ops_est: object         # summed estimates (symbolic in the position), for GlobalCounters
-  mem_est: object
+  ops_est: _Estimate      # for GlobalCounters
+  mem_est: _Estimate
+
+class _Estimate:
+  """A sum of per-kernel estimates, some symbolic in the position. Kept as a constant plus each distinct symbolic term
+  with its count (layers repeat the same kernels, so few distinct terms), each evaluated by its own small compiled
+  function: one big symbolic sum took ~0.4 s to simplify on a step's first call."""
+  def __init__(self): self.const, self.terms = 0, collections.Counter()
+  def add(self, x):
+    if isinstance(x, int): self.const += x
+    else: self.terms[x] += 1
+  def __call__(self, var_vals: dict[str, int]) -> int:
+    return self.const + sum(n * int(u.sym_infer(var_vals)) for u, n in self.terms.items())
 
 class FastCPUReplay(CapturedJit):
   def _plan(self) -> list[_Segment | UOp]:
@@ -66,7 +77,7 @@ class FastCPUReplay(CapturedJit):
       def slot(key) -> int:
         if key not in slots: slots.append(key)
         return slots.index(key)
-      ops, ops_est, mem_est = (_Op * len(pending))(), 0, 0
+      ops, ops_est, mem_est = (_Op * len(pending))(), _Estimate(), _Estimate()
       for op, (call, rt, dev) in zip(ops, pending):
         info, arg_uops = call.src[0].arg, get_call_arg_uops(call)
         # an int is a fixed word (a buffer address; 0 holds core_id's place), anything else the key of a per-call slot
@@ -78,7 +89,7 @@ class FastCPUReplay(CapturedJit):
           if isinstance(w, int): op.args[i], op.slot[i] = w, -1
           else: op.slot[i] = slot(w)
         est = estimate_uop(call)
-        ops_est, mem_est = ops_est + est.ops, mem_est + est.mem
+        ops_est.add(est.ops); mem_est.add(est.mem)
       plan.append(_Segment(ops, slots, len(pending), ops_est, mem_est))
       pending.clear()
     for call in self.linear.src:
@@ -106,8 +117,8 @@ class FastCPUReplay(CapturedJit):
       words = [var_vals[s] if isinstance(s, str) else _resolve(s[0], concrete).buffer.ensure_allocated().get_buf(s[1]).va_addr for s in seg.slots]
       _runner()(seg.ops, seg.count, (ctypes.c_uint64 * max(1, len(words)))(*words), threads)
       GlobalCounters.kernel_count += seg.count
-      GlobalCounters.global_ops += sym_infer(seg.ops_est, var_vals)
-      GlobalCounters.global_mem += sym_infer(seg.mem_est, var_vals)
+      GlobalCounters.global_ops += seg.ops_est(var_vals)
+      GlobalCounters.global_mem += seg.mem_est(var_vals)
     return self.ret
 
 def _runner_available() -> bool:
@@ -128,7 +139,9 @@ class Jit(_TinyJit):
 
   def _fast(self, c: CapturedJit) -> CapturedJit:
     if type(c) is not CapturedJit or os.environ.get("TG_DS4_FAST_REPLAY", "1") == "0" or not _runner_available(): return c
-    return FastCPUReplay(c.ret, c._linear, c.expected_names, c.expected_input_info)
+    fast = FastCPUReplay(c.ret, c._linear, c.expected_names, c.expected_input_info)
+    if "_written_uops" in c.__dict__: fast.__dict__["_written_uops"] = c.__dict__["_written_uops"]  # (saved with a cached step)
+    return fast
 
   def __call__(self, *args, **kwargs):
     if self.captured is None and self.cache is not None and (c := self.cache.load(self.name)) is not None:

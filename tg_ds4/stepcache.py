@@ -32,7 +32,7 @@ from tg_ds4.layers import named_tensors
 from tg_ds4.registry import cache_dir
 
 log = logging.getLogger("tg_ds4")
-FORMAT = 1
+FORMAT = 2
 MAGIC = b"TGDS4STEP\0"
 SUFFIX = ".step"
 MAX_CONST_BYTES = 16 << 20  # capture-time constants an entry may carry: more means a weight is missing from the names
@@ -181,7 +181,8 @@ class StepCache:
       header, payload = _split(data)
       if header.get("key") != p.stem or header.get("step") != name: raise StaleEntry("written for another step")
       live = {path: (u, size, dtype) for u, path, size, dtype in named_buffers(self.model).values()}
-      captured = _Unpickler(io.BytesIO(payload), live).load()
+      captured, written = _Unpickler(io.BytesIO(payload), live).load()
+      captured.__dict__["_written_uops"] = written  # a walk over every call, saved rather than redone
     except Exception as e:  # noqa: BLE001  (a bad entry costs a capture, never the run)
       log.warning("step cache: ignoring %s (%s): %s: %s", p.name, name, type(e).__name__, e)
       with contextlib.suppress(OSError): p.unlink()
@@ -194,7 +195,7 @@ class StepCache:
     """Write `captured` for step `name` (best effort: a failure is one warning, the run goes on)."""
     try:
       f = io.BytesIO()
-      _Pickler(f, named_buffers(self.model), captured._written_uops).dump(captured)
+      _Pickler(f, named_buffers(self.model), captured._written_uops).dump((captured, captured._written_uops))
       header = json.dumps({"format": FORMAT, "key": self.key(name), "step": name, "model": self.label, "device": self.identity["device"],
                            "created": time.time()}).encode()
       body = MAGIC + struct.pack("<I", len(header)) + header + f.getvalue()
