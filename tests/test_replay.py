@@ -41,3 +41,17 @@ def test_engine_generates_the_same(monkeypatch):
     e = Engine(Transformer.from_gguf(path, max_ctx=64))
     toks.append(list(e.generate([1, 5, 9, 13], 24)) + list(e.generate([2, 4], 8, SamplingParams(temperature=0.8, seed=3))))
   assert toks[0] == toks[1]
+
+@pytest.mark.skipif(Device.DEFAULT != "CPU", reason="the fast replay is for tinygrad's CPU device")
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
+def test_argument_addresses_equal_tinygrads(path):
+  """The replay computes the memory plan's views' addresses itself (no view Buffers built): each equals tinygrad's."""
+  from tinygrad.engine.realize import get_call_arg_uops
+  from tinygrad.uop.ops import Ops
+  from tg_ds4.replay import _address, _is_input
+  m = Transformer.from_gguf(path, max_ctx=64)
+  m.decode(Tensor([[3]], dtype=dtypes.int32), 0)
+  args = [b for call in m.decode_jit.captured.linear.src if call.src[0].op is Ops.PROGRAM
+          for i in call.src[0].arg.globals if not _is_input(b := get_call_arg_uops(call)[i])]
+  fast = [b for b in args if (b.src[0] if b.op is Ops.BITCAST else b).op is Ops.SHRINK]
+  assert len(fast) > 50 and all(_address(b, "CPU") == b.buffer.ensure_allocated().get_buf("CPU").va_addr for b in args)

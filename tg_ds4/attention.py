@@ -2,10 +2,10 @@
 q/k/v biases (qwen2), per-head q/k RMS norms and a sliding window (gemma3)."""
 from __future__ import annotations
 
-from tinygrad import Tensor, UOp, dtypes
+from tinygrad import Device, Tensor, UOp, dtypes
 
 from tg_ds4.config import ModelConfig
-from tg_ds4.layers import Linear, RMSNorm
+from tg_ds4.layers import Linear, RMSNorm, zeros
 from tg_ds4.mla import causal_mask, write_cache
 from tg_ds4.rope import apply_rope
 
@@ -21,7 +21,7 @@ class GQA:
 
   def init_cache(self, max_ctx: int, device: str | None = None, dtype=dtypes.float32):
     c = self.cfg
-    self.cache = Tensor.zeros(1, max_ctx, c.n_kv_head, c.head_dim + c.v_head_dim, dtype=dtype, device=device).contiguous().realize()
+    self.cache = zeros((1, max_ctx, c.n_kv_head, c.head_dim + c.v_head_dim), dtype, device or Device.DEFAULT)
 
   def __call__(self, x: Tensor, start_pos: int | UOp, rope: Tensor) -> Tensor:
     cfg, (B, T, _) = self.cfg, x.shape

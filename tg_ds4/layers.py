@@ -11,7 +11,8 @@ import dataclasses
 import numpy as np
 
 from tinygrad import Tensor, UOp, dtypes
-from tinygrad.dtype import _to_np_dtype
+from tinygrad.device import Buffer, BufferSpec
+from tinygrad.dtype import _from_np_dtype, _to_np_dtype
 from tinygrad.helpers import prod
 from tinygrad.uop.ops import Ops
 
@@ -60,12 +61,28 @@ def _host(t: Tensor) -> np.ndarray | None:
   if u.op is not Ops.BUFFER or not u.is_realized or not str(t.device).startswith("CPU") or u.buffer.nbytes != t.nbytes(): return None
   return np.frombuffer(u.buffer.as_memoryview(), _to_np_dtype(t.dtype)).reshape(t.shape)
 
+def host_tensor(a: np.ndarray, device: str) -> Tensor:
+  """`a` as a realized tensor on `device` by one buffer copy: no graph is scheduled or lowered (`Tensor(a).realize()`
+  schedules one, ~10 ms each, and a load makes dozens)."""
+  a = np.ascontiguousarray(a)
+  buf = Buffer(device, a.size, _from_np_dtype(a.dtype)).ensure_allocated()
+  buf.copy_from(Buffer("PYTHON", a.size, buf.dtype, opaque=memoryview(a.reshape(-1)).cast("B")))
+  return Tensor(UOp.from_buffer(buf)).reshape(a.shape)
+
+def zeros(shape: tuple[int, ...], dtype, device: str) -> Tensor:
+  """A realized zero tensor (a cache) without a kernel. On the CPU a `zero` buffer is fresh anonymous memory, zero by the
+  OS (tinygrad never hands it out of its reuse cache), and its pages stay unmapped until written: a cache's unused
+  context costs no memory. Elsewhere a host copy of zeros."""
+  if not str(device).startswith("CPU"): return host_tensor(np.zeros(shape, _to_np_dtype(dtype)), device)
+  buf = Buffer(device, prod(shape), dtype, options=BufferSpec(zero=True)).ensure_allocated()
+  return Tensor(UOp.from_buffer(buf)).reshape(shape)
+
 def _stack_rows(ws: list[Weight]) -> tuple[Weight, list[Weight]]:
   """`ws` (one kind, same trailing shape) stacked along the first axis into one realized weight, and views of it for
   each part."""
   data = [w.blocks if isinstance(w, QTensor) else w for w in ws]
   host = [_host(t) for t in data]
-  if all(h is not None for h in host): whole = Tensor(np.concatenate(host), device=data[0].device).realize()  # a copy, no kernel
+  if all(h is not None for h in host): whole = host_tensor(np.concatenate(host), data[0].device)  # a copy, no kernel
   else: whole = data[0].cat(*data[1:]).contiguous().realize()
   wrap = (lambda t: QTensor(t, ws[0].qtype, (t.shape[0], *ws[0].shape[1:]))) if isinstance(ws[0], QTensor) else (lambda t: t)
   offs = [0] + [sum(w.shape[0] for w in ws[:i + 1]) for i in range(len(ws))]

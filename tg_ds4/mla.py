@@ -5,10 +5,10 @@ its first kv_lora columns. `attn_k_b` is folded into the query (q_nope @ k_b) an
 so K/V are never expanded per head (llama.cpp's deepseek2 MLA graph, as MQA with one KV head)."""
 from __future__ import annotations
 
-from tinygrad import Tensor, UOp, dtypes
+from tinygrad import Device, Tensor, UOp, dtypes
 
 from tg_ds4.config import ModelConfig
-from tg_ds4.layers import Linear, Param, Params, RMSNorm
+from tg_ds4.layers import Linear, Param, Params, RMSNorm, zeros
 from tg_ds4.quant import linear
 from tg_ds4.rope import apply_rope
 
@@ -46,7 +46,7 @@ class MLA:
     self.cache: Tensor | None = None
 
   def init_cache(self, max_ctx: int, device: str | None = None, dtype=dtypes.float32):
-    self.cache = Tensor.zeros(1, max_ctx, self.cfg.kv_lora_rank + self.cfg.rope.dim, dtype=dtype, device=device).contiguous().realize()
+    self.cache = zeros((1, max_ctx, self.cfg.kv_lora_rank + self.cfg.rope.dim), dtype, device or Device.DEFAULT)
 
   def __call__(self, x: Tensor, start_pos: int | UOp, rope: Tensor) -> Tensor:
     cfg, (B, T, _) = self.cfg, x.shape

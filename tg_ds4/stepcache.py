@@ -148,10 +148,12 @@ class _Unpickler(pickle.Unpickler):
         self.fresh[pid] = UOp.from_buffer(Buffer(base.device, pid[5], pid[6], base=base, offset=pid[4]))
       return self.fresh[pid]
     _, dtype, src, arg, tag, spec, data = pid
-    if arg.slot not in self.fresh:  # a new identity: never a live buffer's
+    # keyed by the whole identity: slot numbers repeat across buffers of other sizes and types (tinygrad's memory plan
+    # numbers its arenas itself), and one merged with another lost a constant table (warm ds4 logits differed)
+    if (key := (dtype, src, arg, tag)) not in self.fresh:  # a new identity: never a live buffer's
       buf = None if spec is None else _buffer(spec, data)
-      self.fresh[arg.slot] = UOp(Ops.BUFFER, dtype, src, dataclasses.replace(arg, slot=next(UOp.unique_num)), tag, _buffer=buf)
-    return self.fresh[arg.slot]
+      self.fresh[key] = UOp(Ops.BUFFER, dtype, src, dataclasses.replace(arg, slot=next(UOp.unique_num)), tag, _buffer=buf)
+    return self.fresh[key]
 
 @dataclass
 class StepCache:
