@@ -372,6 +372,12 @@ class QTensor:
 
 Weight = Tensor | QTensor
 
+def _realized(a: np.ndarray, device: str) -> Tensor:
+  """A re-encoded weight realized now, at load: a lazy `Tensor(a)` would first be copied inside the first captured
+  step, and that copy replayed with it (a prefill chunk re-copied qwen2.5's widened weights, ~130 MB, every time)."""
+  from tg_ds4.layers import host_tensor
+  return host_tensor(a, device)
+
 def q5_0_as_q8_0(w: QTensor) -> QTensor:
   """The same weight re-encoded as Q8_0: each block keeps its fp16 scale and its 5-bit values minus 16 become the int8
   values, so every dequantized value is identical. 34 bytes per 32 weights instead of 22, but tinygrad's CPU code for a
@@ -382,7 +388,7 @@ def q5_0_as_q8_0(w: QTensor) -> QTensor:
   q = np.concatenate([b[..., 6:22] & 0xF, b[..., 6:22] >> 4], axis=-1).astype(np.int16)   # element j: nibble, then
   q |= ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4                 # bit j of qh as the 5th
   out = np.concatenate([b[..., 0:2], (q - 16).astype(np.int8).view(np.uint8)], axis=-1)
-  return QTensor(Tensor(out, device=w.device), QTYPE_BY_NAME["Q8_0"], w.shape)
+  return QTensor(_realized(out, w.device), QTYPE_BY_NAME["Q8_0"], w.shape)
 
 def _f32_bytes(a: np.ndarray) -> np.ndarray: return np.ascontiguousarray(a.astype(np.float32)[..., None]).view(np.uint8)
 
@@ -415,7 +421,7 @@ def widen_k_quant(w: QTensor) -> QTensor:
   assert w.qtype.name in _WIDEN and w._src[1] == (), w
   qt, conv = K_WIDENED[w.qtype.name], _WIDEN[w.qtype.name][1]
   out = conv(w.blocks.numpy()).reshape(*w.shape[:-1], w.shape[-1] // qt.block, qt.nbytes)
-  return QTensor(Tensor(out, device=w.device), qt, w.shape)
+  return QTensor(_realized(out, w.device), qt, w.shape)
 
 def as_tensor(w: Weight, dtype: DType | None = dtypes.float32) -> Tensor:
   if isinstance(w, QTensor): return w.dequant(dtype)
