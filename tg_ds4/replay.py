@@ -66,15 +66,17 @@ class _Segment:
   mem_est: _Estimate
 
 class _Estimate:
-  """A sum of per-kernel estimates, some symbolic in the position. Kept as a constant plus each distinct symbolic term
-  with its count (layers repeat the same kernels, so few distinct terms), each evaluated by its own small compiled
-  function: one big symbolic sum took ~0.4 s to simplify on a step's first call."""
-  def __init__(self): self.const, self.terms = 0, collections.Counter()
+  """A sum of per-kernel estimates, some symbolic in the position, summed as a constant plus each distinct symbolic term
+  times its count (layers repeat the same kernels, so few distinct terms): the naive sum of every kernel's term took
+  ~0.4 s to simplify on a step's first call. Built once; each call evaluates one compiled expression."""
+  def __init__(self): self.const, self.terms, self.expr = 0, collections.Counter(), None
   def add(self, x):
     if isinstance(x, int): self.const += x
     else: self.terms[x] += 1
   def __call__(self, var_vals: dict[str, int]) -> int:
-    return self.const + sum(n * int(u.sym_infer(var_vals)) for u, n in self.terms.items())
+    if not self.terms: return self.const
+    if self.expr is None: self.expr = functools.reduce(lambda a, b: a + b, (u * n for u, n in self.terms.items()))
+    return self.const + int(self.expr.sym_infer(var_vals))
 
 class FastCPUReplay(CapturedJit):
   def _plan(self) -> list[_Segment | UOp]:
