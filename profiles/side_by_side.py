@@ -8,8 +8,7 @@ import statistics, sys, time
 
 import numpy as np
 
-from tg_ds4.engine import Engine
-from tg_ds4.model import Transformer
+from tg_ds4.runner import Runner
 from tg_ds4.registry import resolve
 
 def main(name: str) -> None:
@@ -21,9 +20,9 @@ def main(name: str) -> None:
     llm.reset(); t0 = time.perf_counter(); llm.eval(ids); t1 = time.perf_counter()
     for _ in range(32): llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
     return len(ids) / (t1 - t0), 32 / (time.perf_counter() - t1)
-  engine = Engine(Transformer.from_gguf(path, max_ctx=256))
+  runner = Runner.load(path, max_ctx=256)
   def ours():
-    list(engine.generate(ids, 33)); return engine.stats.prefill_tps, engine.stats.decode_tps
+    list(runner.generate(ids, 33)); return runner.stats.prefill_tps, runner.stats.decode_tps
   for _ in range(2): ours()
   L, O = [lcp() for _ in range(3)], [ours() for _ in range(3)]
   med = lambda xs, i: statistics.median(x[i] for x in xs)

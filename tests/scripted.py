@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse, pathlib, sys
 
 from tg_ds4.chat import Template
-from tg_ds4.engine import Step
+from tg_ds4.runner import Step
 from tg_ds4.sampling import SamplingParams
 from tg_ds4.server.app import build_app, run
 from tg_ds4.server.body import BodyLimits
@@ -18,8 +18,8 @@ VOCAB = pathlib.Path(__file__).resolve().parent / "fixtures/deepseek2/ds3/ds3-Q8
 MODEL_ID = "tiny-chat"
 TEMPLATE = "{% for m in messages %}{{ m.role + ': ' + m.content + '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
 
-class ScriptedEngine:
-  """Stands in for Engine in the worker: 'generates' a fixed token script instantly and records the prompts. A script
+class ScriptedRunner:
+  """Stands in for Runner in the worker: 'generates' a fixed token script instantly and records the prompts. A script
   containing `fail` raises there, as a broken model would."""
   def __init__(self, script: list[int], fail: int | None = None): self.script, self.fail, self.cached, self.prompts = script, fail, [], []
   def reusable(self, prompt): return 0
@@ -31,7 +31,7 @@ class ScriptedEngine:
       if t in stop: return
 
 def scripted_served(tok, script: list[int], template: str = TEMPLATE, start=True, max_queue=8, fail: int | None = None) -> Served:
-  worker = Worker(lambda: (ScriptedEngine(script, fail), None), max_queue=max_queue)
+  worker = Worker(lambda: (ScriptedRunner(script, fail), None), max_queue=max_queue)
   if start: worker.start().wait_loaded()
   return Served(MODEL_ID, frozenset({MODEL_ID}), tok, Template(template), 512, worker)
 

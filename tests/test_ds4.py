@@ -11,10 +11,9 @@ import functools, json, pathlib
 
 import numpy as np
 import pytest
-from tinygrad import Tensor, dtypes
 from tinygrad.codegen import to_program_cache
 
-from tg_ds4.model import Transformer
+from tg_ds4.runner import Runner
 
 ROOT = pathlib.Path(__file__).parent / "fixtures" / "deepseek4" / "flash"
 pytestmark = pytest.mark.skipif(not (ROOT / "manifest.json").exists(), reason="no deepseek4 fixtures")
@@ -23,11 +22,11 @@ IDS, N_GEN = MAN.get("token_ids", []), MAN.get("n_gen", 0)
 
 def rel(a, b) -> float: return float(np.abs(a - b).max() / np.abs(b).max())
 
-_models: dict[tuple[str, bool], Transformer] = {}
-def load(q: str, llama_cpp: bool = False) -> Transformer:
+_models: dict[tuple[str, bool], Runner] = {}
+def load(q: str, llama_cpp: bool = False) -> Runner:
   """One model per (file, rounding) for the whole module: runs restart at position 0, which needs no cache reset."""
   if (q, llama_cpp) not in _models:
-    _models[q, llama_cpp] = Transformer.from_gguf(ROOT / MAN["ggufs"][q]["file"], max_ctx=len(IDS) + N_GEN, llama_cpp_activations=llama_cpp)
+    _models[q, llama_cpp] = Runner.load(ROOT / MAN["ggufs"][q]["file"], max_ctx=len(IDS) + N_GEN, llama_cpp_activations=llama_cpp)
   return _models[q, llama_cpp]
 
 @functools.cache
@@ -39,7 +38,7 @@ def decode(q: str, llama_cpp: bool = False) -> dict:
   """The prompt token by token through the captured decode step, then greedy for N_GEN tokens."""
   m, rows, greedy = load(q, llama_cpp), [], []
   for i in range(len(IDS) + N_GEN - 1):
-    rows.append(m.decode(Tensor([[IDS[i] if i < len(IDS) else greedy[-1]]], dtype=dtypes.int32), i).numpy()[0, 0])
+    rows.append(m.decode(IDS[i] if i < len(IDS) else greedy[-1], i).numpy()[0, 0])
     if i >= len(IDS) - 1: greedy.append(int(rows[-1].argmax()))
   return {"prompt": np.stack(rows[:len(IDS)]), "gen": np.stack(rows[len(IDS) - 1:]), "greedy": greedy}
 
@@ -80,9 +79,9 @@ def test_decode_recompiles_nothing():
   recapture."""
   decode("MXFP4")
   m = load("MXFP4")
-  n, captured = len(to_program_cache), m.decode_jit.captured
-  for i in range(120, 135): m.decode(Tensor([[IDS[i]]], dtype=dtypes.int32), i).realize()  # 127: a ratio-128 row completes
-  assert len(to_program_cache) == n and m.decode_jit.captured is captured
+  n, captured = len(to_program_cache), m._jits["decode"].captured
+  for i in range(120, 135): m.decode(IDS[i], i).realize()  # 127: a ratio-128 row completes
+  assert len(to_program_cache) == n and m._jits["decode"].captured is captured
 
 def test_mtp_block_is_ignored(tmp_path):
   """A GGUF that also carries an MTP block (`nextn_predict_layers`, one more `blk.N`) loads as the same 3-layer model."""
@@ -101,5 +100,5 @@ def test_mtp_block_is_ignored(tmp_path):
     if t.name.startswith("blk.2."): copy(t.name.replace("blk.2.", "blk.3."), t)  # the MTP block: a full layer more
   w.add_tensor("blk.3.nextn.eh_proj.weight", np.zeros((256, 512), np.float32))
   w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-  m = Transformer.from_gguf(path, max_ctx=64)
+  m = Runner.load(path, max_ctx=64).model
   assert m.cfg.n_layer == 3 and len(m.blk) == 3 and m.cfg.compress_ratios == (0, 4, 128)

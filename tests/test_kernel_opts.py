@@ -104,10 +104,9 @@ def test_gemm_weight_rows_and_outputs_in_8_float_accesses(monkeypatch):
 
 def _decode_step_kernels() -> list[Tensor]:
   """A real decode step (symbolic position, MLA + MoE) of the ds3 fixture, with greedy, sampling and logprob heads."""
-  from tg_ds4.engine import _with_logprobs
-  from tg_ds4.model import Transformer
+  from tg_ds4.runner import Runner, _with_logprobs
   from tg_ds4.sampling import SamplingParams, greedy, sample
-  m = Transformer.from_gguf(str(FIXTURES / "deepseek2/ds3/ds3-Q4_0.gguf"), max_ctx=64)
+  m = Runner.load(str(FIXTURES / "deepseek2/ds3/ds3-Q4_0.gguf"), max_ctx=64).model
   tok, pos = UOp.variable("token", 0, m.cfg.n_vocab - 1).bind(3), UOp.variable("start_pos", 0, 63).bind(5)
   logits = m.forward(tok, pos, last_only=True)[:, -1]
   sp, rng = SamplingParams(0.8, 40, 0.95, 0.05, 1).tensors(), Tensor([1, 2], dtype=dtypes.uint32)
@@ -115,7 +114,7 @@ def _decode_step_kernels() -> list[Tensor]:
 
 def _sampling_kernels(vocab: int) -> list[Tensor]:
   """The sampling and logprob heads over a real vocabulary: its reductions split into scalar and bool kernels."""
-  from tg_ds4.engine import _with_logprobs
+  from tg_ds4.runner import _with_logprobs
   from tg_ds4.sampling import SamplingParams, greedy, sample
   logits = Tensor(np.random.default_rng(vocab).standard_normal((1, vocab)).astype(np.float32)).realize()
   sp, rng = SamplingParams(0.8, 40, 0.95, 0.05, 1).tensors(), Tensor([1, 2], dtype=dtypes.uint32)

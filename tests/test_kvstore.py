@@ -177,8 +177,8 @@ def test_stale_temp_files_are_swept_live_ones_and_planted_links_kept(tmp_path, w
     assert "could not save " + k[3] in warnings_log.text
   finally: live.kill(); live.wait()
 
-class FakeEngine:
-  """What Worker._reuse needs of an Engine; `fits=False` refuses rows the way Engine.load_kv_rows does (after emptying
+class FakeRunner:
+  """What Worker._reuse needs of a Runner; `fits=False` refuses rows the way Runner.load_kv_rows does (after emptying
   the cache)."""
   def __init__(self, cached=(), fits=True): self.cached, self.fits = list(cached), fits
   def reusable(self, prompt):
@@ -194,7 +194,7 @@ class FakeEngine:
 
 def _worker(engine, store):
   w = Worker(lambda: (engine, store))  # not started: _reuse is called directly
-  w.engine, w.kvstore = engine, store
+  w.runner, w.kvstore = engine, store
   return w
 
 def test_saved_prefix_with_malformed_tokens_never_fails_a_request(tmp_path, warnings_log):
@@ -202,7 +202,7 @@ def test_saved_prefix_with_malformed_tokens_never_fails_a_request(tmp_path, warn
   bad = _path(tmp_path, _toks(0))
   header = _split(bad)[0]; header["tokens"] = 5; _rewrite(bad, header)  # valid checksum, tokens not a list
   s = KVStore(tmp_path, "model-A", 1 << 20, 4)
-  w = _worker(FakeEngine(), s)
+  w = _worker(FakeRunner(), s)
   assert w._reuse(_toks(0) + [999]) == 0 and tokens_key(_toks(0)) not in s.index
   assert f"ignoring {bad.name}" in warnings_log.text
   odd = Entry(tmp_path / "odd.kv", np.asarray(5, np.int32), 1)  # an index entry whose comparison raises
@@ -213,9 +213,9 @@ def test_saved_rows_that_do_not_fit_the_engine_are_dropped(tmp_path, warnings_lo
   _fill(tmp_path, 1)
   f = _path(tmp_path, _toks(0))
   s = KVStore(tmp_path, "model-A", 1 << 20, 4)
-  eng = FakeEngine(cached=_toks(0)[:5], fits=False)
+  eng = FakeRunner(cached=_toks(0)[:5], fits=False)
   assert _worker(eng, s)._reuse(_toks(0) + [999]) == 0 and eng.cached == []  # what was in memory is gone too: load_kv_rows emptied it
   assert s.index == {} and f"ignoring {f.name}: ValueError: blk.0.attn.cache: saved rows" in warnings_log.text
   assert not f.exists() and s.wants(_toks(0))  # ours and useless: deleted, so the next answer saves it anew
-  eng = FakeEngine(cached=_toks(0)[:5])
+  eng = FakeRunner(cached=_toks(0)[:5])
   assert _worker(eng, s)._reuse(_toks(0) + [999]) == 5  # nothing on disk any more: the memory prefix

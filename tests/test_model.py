@@ -2,10 +2,10 @@
 import numpy as np
 import pytest
 from ggufgen import write_tiny_deepseek2
-from tinygrad import Tensor, dtypes
+from tinygrad import Tensor
 
+from tg_ds4.runner import Runner
 from tg_ds4.gguf import GGUFError
-from tg_ds4.model import Transformer
 
 TOKENS = [1, 5, 9, 33, 2, 7, 100, 4, 8, 12, 3, 3, 77]
 
@@ -17,52 +17,52 @@ def tiny(tmp_path_factory):
 
 def test_missing_tensor_is_named(tmp_path):
   write_tiny_deepseek2(p := tmp_path / "m.gguf", drop="blk.1.ffn_up_exps.weight")
-  with pytest.raises(GGUFError, match=r"missing tensor 'blk.1.ffn_up_exps.weight' \(expected shape \[8, 32, 64\]"): Transformer.from_gguf(p)
+  with pytest.raises(GGUFError, match=r"missing tensor 'blk.1.ffn_up_exps.weight' \(expected shape \[8, 32, 64\]"): Runner.load(p)
 
 def test_wrong_shape_is_named(tmp_path):
   write_tiny_deepseek2(p := tmp_path / "s.gguf", reshape=("blk.2.attn_q_a.weight", (32, 32)))
-  with pytest.raises(GGUFError, match=r"tensor 'blk.2.attn_q_a.weight' has shape \[32, 32\], expected \[32, 64\]"): Transformer.from_gguf(p)
+  with pytest.raises(GGUFError, match=r"tensor 'blk.2.attn_q_a.weight' has shape \[32, 32\], expected \[32, 64\]"): Runner.load(p)
 
 def test_unsupported_arch_is_named(tmp_path):
   write_tiny_deepseek2(p := tmp_path / "a.gguf", arch="mamba9")
-  with pytest.raises(GGUFError, match=r"architecture 'mamba9' is not supported"): Transformer.from_gguf(p)
+  with pytest.raises(GGUFError, match=r"architecture 'mamba9' is not supported"): Runner.load(p)
 
 def test_decode_equals_prefill_and_jit_replays(tiny):
-  ref = Transformer.from_gguf(tiny, max_ctx=32).prefill(TOKENS, chunk=len(TOKENS)).numpy()[0]
-  m = Transformer.from_gguf(tiny, max_ctx=32)
+  ref = Runner.load(tiny, max_ctx=32).prefill(TOKENS, chunk=len(TOKENS)).numpy()[0]
+  m = Runner.load(tiny, max_ctx=32)
   outs, captured = [], None
   for i, t in enumerate(TOKENS):
-    outs.append(m.decode(Tensor([[t]], dtype=dtypes.int32), i).numpy()[0, 0])
-    if i == 1: captured = m.decode_jit.captured       # TinyJit captures on its second call
-    if i >= 1: assert m.decode_jit.captured is captured, f"decode recaptured at step {i}"
+    outs.append(m.decode(t, i).numpy()[0, 0])
+    if i == 0: captured = m._jits["decode"].captured       # replay.Jit captures on its first call
+    if i >= 1: assert m._jits["decode"].captured is captured, f"decode recaptured at step {i}"
   assert captured is not None and len(TOKENS) - 2 >= 3  # replayed at 3+ growing positions
   got = np.stack(outs)
   assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
 
 @pytest.mark.parametrize("chunk", [1, 4, 5])
 def test_chunked_prefill_matches_one_shot(tiny, chunk):
-  ref = Transformer.from_gguf(tiny, max_ctx=32).prefill(TOKENS, chunk=len(TOKENS)).numpy()[0]
-  got = Transformer.from_gguf(tiny, max_ctx=32).prefill(TOKENS, chunk=chunk).numpy()[0]
+  ref = Runner.load(tiny, max_ctx=32).prefill(TOKENS, chunk=len(TOKENS)).numpy()[0]
+  got = Runner.load(tiny, max_ctx=32).prefill(TOKENS, chunk=chunk).numpy()[0]
   assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
   assert np.isfinite(got).all()
 
 def test_prefill_continues_at_any_start(tiny):
-  ref = Transformer.from_gguf(tiny, max_ctx=32).prefill(TOKENS, chunk=len(TOKENS)).numpy()[0]
-  m = Transformer.from_gguf(tiny, max_ctx=32)
+  ref = Runner.load(tiny, max_ctx=32).prefill(TOKENS, chunk=len(TOKENS)).numpy()[0]
+  m = Runner.load(tiny, max_ctx=32)
   m.prefill(TOKENS[:6], chunk=6)
   got = m.prefill(TOKENS[6:], start_pos=6, chunk=7).numpy()[0]
   assert np.abs(got - ref[6:]).max() <= 1e-4 * np.abs(ref).max()
 
 def test_legacy_combined_kv_b_is_split_at_load(tiny, tmp_path):
   write_tiny_deepseek2(p := tmp_path / "legacy.gguf", legacy_kv_b=True)
-  ref = Transformer.from_gguf(tiny, max_ctx=32).prefill(TOKENS, chunk=len(TOKENS)).numpy()[0]
-  got = Transformer.from_gguf(p, max_ctx=32).prefill(TOKENS, chunk=len(TOKENS)).numpy()[0]
+  ref = Runner.load(tiny, max_ctx=32).prefill(TOKENS, chunk=len(TOKENS)).numpy()[0]
+  got = Runner.load(p, max_ctx=32).prefill(TOKENS, chunk=len(TOKENS)).numpy()[0]
   assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
 
 def test_fused_gate_up_experts_equal_split(tiny, tmp_path):
   write_tiny_deepseek2(p := tmp_path / "fused.gguf", fused_gate_up=True)
-  ref = Transformer.from_gguf(tiny, max_ctx=32).prefill(TOKENS, chunk=len(TOKENS)).numpy()[0]
-  got = Transformer.from_gguf(p, max_ctx=32).prefill(TOKENS, chunk=len(TOKENS)).numpy()[0]
+  ref = Runner.load(tiny, max_ctx=32).prefill(TOKENS, chunk=len(TOKENS)).numpy()[0]
+  got = Runner.load(p, max_ctx=32).prefill(TOKENS, chunk=len(TOKENS)).numpy()[0]
   assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
 
 def test_fully_masked_row_is_finite():

@@ -5,6 +5,7 @@ import csv, json, pathlib, re
 import pytest
 from tinygrad import GlobalCounters, TinyJit, UOp
 
+from tg_ds4.runner import Runner
 from tg_ds4.model import Transformer
 from tg_ds4.profile import CATEGORIES, profile_model, write
 from tg_ds4.sampling import greedy
@@ -13,11 +14,11 @@ DS3 = pathlib.Path(__file__).parent / "fixtures" / "deepseek2" / "ds3" / "ds3-Q4
 
 @pytest.fixture(scope="module")
 def prof():
-  return profile_model(Transformer.from_gguf(DS3, max_ctx=48), pos=40, repeat=3, prefill=True)
+  return profile_model(Runner.load(DS3, max_ctx=48).model, pos=40, repeat=3, prefill=True)
 
 def test_every_kernel_timed_and_attributed(prof):
   d = prof["decode"]
-  m = Transformer.from_gguf(DS3, max_ctx=48)
+  m = Runner.load(DS3, max_ctx=48).model
   step = TinyJit(lambda tok, sp: greedy(m.forward(tok, sp, last_only=True)[:, -1]).realize())
   args = lambda: (UOp.variable("token", 0, m.cfg.n_vocab - 1).bind(1), UOp.variable("start_pos", 0, m.max_ctx - 1).bind(40))
   for _ in range(3): step(*args())

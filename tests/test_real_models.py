@@ -10,8 +10,7 @@ import functools, json, pathlib
 import numpy as np
 import pytest
 
-from tg_ds4.engine import Engine
-from tg_ds4.model import Transformer
+from tg_ds4.runner import Runner
 from tg_ds4.registry import resolve
 
 ROOT = pathlib.Path(__file__).parent / "fixtures" / "real"
@@ -23,11 +22,10 @@ def fixture(name: str) -> dict: return json.loads((ROOT / f"{name}.json").read_t
 @functools.cache
 def ours(name: str) -> list[dict]:
   """Per prompt: prompt logits (exact mode, one forward) and the greedy continuation through the engine."""
-  model = Transformer.from_gguf(resolve(name), max_ctx=128)
-  engine, out = Engine(model), []
+  runner, out = Runner.load(resolve(name), max_ctx=128), []
   for case in fixture(name)["cases"]:
-    logits = model.prefill(case["prompt_ids"], chunk=len(case["prompt_ids"])).numpy()[0]
-    out.append({"logits": logits, "greedy": list(engine.generate(case["prompt_ids"], fixture(name)["n_gen"]))})
+    logits = runner.prefill(case["prompt_ids"], chunk=len(case["prompt_ids"])).numpy()[0]
+    out.append({"logits": logits, "greedy": list(runner.generate(case["prompt_ids"], fixture(name)["n_gen"]))})
   return out
 
 def first_divergence(a: list[int], b: list[int]) -> int: return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

@@ -11,8 +11,9 @@ import functools, json, os, pathlib
 import gguf
 import numpy as np
 import pytest
-from tinygrad import Tensor, dtypes
+from tinygrad import Tensor
 
+from tg_ds4.runner import Runner
 from tg_ds4.layers import packed_weights
 from tg_ds4.model import Transformer
 
@@ -41,7 +42,7 @@ def file_formats(path) -> Transformer:
   """The model with the file's own packed formats (no CPU widening, `layers.widen_for_cpu`), for gguf-py to dequantize."""
   old = os.environ.get("TG_DS4_WIDEN")
   os.environ["TG_DS4_WIDEN"] = "0"
-  try: return Transformer.from_gguf(path, max_ctx=64)
+  try: return Runner.load(path, max_ctx=64)
   finally:
     if old is None: del os.environ["TG_DS4_WIDEN"]
     else: os.environ["TG_DS4_WIDEN"] = old
@@ -53,12 +54,12 @@ def run(fam: str, q: str, twin: bool = False, llama_cpp: bool = False) -> dict:
   man = manifest(fam)
   path, ids, n_gen = ROOT / fam / man["ggufs"][q]["file"], man["token_ids"], man["n_gen"]
   load = lambda: dequantized_twin(file_formats(path)) if twin else \
-    Transformer.from_gguf(path, max_ctx=64, llama_cpp_activations=llama_cpp)
+    Runner.load(path, max_ctx=64, llama_cpp_activations=llama_cpp)
   prefill = load().prefill(ids, chunk=len(ids)).numpy()[0]
   m, steps, greedy = load(), [], []
   for i in range(len(ids) + n_gen):
     tok = ids[i] if i < len(ids) else greedy[-1]
-    steps.append(m.decode(Tensor([[tok]], dtype=dtypes.int32), i).numpy()[0, 0])
+    steps.append(m.decode(tok, i).numpy()[0, 0])
     if i >= len(ids) - 1 and len(greedy) < n_gen: greedy.append(int(steps[-1].argmax()))
   return {"prefill": prefill, "decode": np.stack(steps[:len(ids)]), "greedy": greedy, "gen_logits": np.stack(steps[len(ids) - 1:-1])}
 

@@ -4,10 +4,9 @@ import pathlib
 
 import numpy as np
 import pytest
-from tinygrad import Device, GlobalCounters, Tensor, dtypes
+from tinygrad import Device, GlobalCounters
 
-from tg_ds4.engine import Engine
-from tg_ds4.model import Transformer
+from tg_ds4.runner import Runner
 from tg_ds4.replay import FastCPUReplay
 from tg_ds4.sampling import SamplingParams
 
@@ -16,12 +15,12 @@ FILES = [FIX / "deepseek2/ds3/ds3-Q4_0.gguf", FIX / "deepseek4/flash/flash-MXFP4
 
 def steps(path, fast: bool, monkeypatch, n: int = 40):
   monkeypatch.setenv("TG_DS4_FAST_REPLAY", "1" if fast else "0")
-  m, out = Transformer.from_gguf(path, max_ctx=64), []
+  m, out = Runner.load(path, max_ctx=64), []
   for i in range(n):
     GlobalCounters.reset()
-    logits = m.decode(Tensor([[(7 * i) % 50 + 1]], dtype=dtypes.int32), i).numpy()
+    logits = m.decode((7 * i) % 50 + 1, i).numpy()
     out.append((logits, GlobalCounters.kernel_count, GlobalCounters.global_mem))
-  assert (type(m.decode_jit.captured) is FastCPUReplay) == fast
+  assert (type(m._jits["decode"].captured) is FastCPUReplay) == fast
   return out
 
 @pytest.mark.skipif(Device.DEFAULT != "CPU", reason="the fast replay is for tinygrad's CPU device")
@@ -38,7 +37,7 @@ def test_engine_generates_the_same(monkeypatch):
   path, toks = FILES[0], []
   for fast in (False, True):
     monkeypatch.setenv("TG_DS4_FAST_REPLAY", "1" if fast else "0")
-    e = Engine(Transformer.from_gguf(path, max_ctx=64))
+    e = Runner.load(path, max_ctx=64)
     toks.append(list(e.generate([1, 5, 9, 13], 24)) + list(e.generate([2, 4], 8, SamplingParams(temperature=0.8, seed=3))))
   assert toks[0] == toks[1]
 
@@ -49,9 +48,9 @@ def test_argument_addresses_equal_tinygrads(path):
   from tinygrad.engine.realize import get_call_arg_uops
   from tinygrad.uop.ops import Ops
   from tg_ds4.replay import _address, _is_input
-  m = Transformer.from_gguf(path, max_ctx=64)
-  m.decode(Tensor([[3]], dtype=dtypes.int32), 0)
-  args = [b for call in m.decode_jit.captured.linear.src if call.src[0].op is Ops.PROGRAM
+  m = Runner.load(path, max_ctx=64)
+  m.decode(3, 0)
+  args = [b for call in m._jits["decode"].captured.linear.src if call.src[0].op is Ops.PROGRAM
           for i in call.src[0].arg.globals if not _is_input(b := get_call_arg_uops(call)[i])]
   fast = [b for b in args if (b.src[0] if b.op is Ops.BITCAST else b).op is Ops.SHRINK]
   assert len(fast) > 50 and all(_address(b, "CPU") == b.buffer.ensure_allocated().get_buf("CPU").va_addr for b in args)

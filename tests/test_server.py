@@ -366,7 +366,7 @@ def test_tool_calls_through_both_apis(tok):
     m = r.choices[0].message
     assert r.choices[0].finish_reason == "tool_calls" and m.content == "I will check."
     assert [(t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls] == [("get_weather", {"city": "Paris"})]
-    assert '"name": "get_weather"' in tok.decode(worker.engine.prompts[-1])  # the tools went through the template
+    assert '"name": "get_weather"' in tok.decode(worker.runner.prompts[-1])  # the tools went through the template
     chunks = [k async for k in await oai.chat.completions.create(model=MODEL_ID, messages=msgs, tools=TOOLS, stream=True)]
     text = "".join(k.choices[0].delta.content or "" for k in chunks)
     calls = [t for k in chunks for t in k.choices[0].delta.tool_calls or []]
@@ -378,7 +378,7 @@ def test_tool_calls_through_both_apis(tok):
     follow = msgs + [{"role": "assistant", "content": "", "tool_calls": [m.tool_calls[0].model_dump()]},
                      {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "sunny"}]
     await oai.chat.completions.create(model=MODEL_ID, messages=follow, tools=TOOLS)
-    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in tok.decode(worker.engine.prompts[-1])
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}' in tok.decode(worker.runner.prompts[-1])
     a = await ant.messages.create(model=MODEL_ID, max_tokens=200, messages=msgs, tools=[{"name": "get_weather", "input_schema": {"type": "object"}}])
     assert a.stop_reason == "tool_use" and [b.type for b in a.content] == ["text", "tool_use"] and a.content[1].input == {"city": "Paris"}
     async with ant.messages.stream(model=MODEL_ID, max_tokens=200, messages=msgs, tools=[{"name": "get_weather", "input_schema": {}}]) as s:
@@ -448,11 +448,10 @@ def test_kvstore_ignores_truncated_foreign_and_corrupt_files(tmp_path, caplog):
 def test_engine_logprobs_reuse_and_kv_rows(model):
   """The engine pieces the server builds on, on the real (tiny) model: logprobs match a host log_softmax, a common
   prefix is reused, and rows saved from one cache state and loaded into another give the same continuation."""
-  from tg_ds4.engine import Engine
-  from tg_ds4.model import Transformer
-  m = Transformer.from_gguf(GGUFFile(model), max_ctx=64)
-  e, a, b = Engine(m), list(range(40, 60)), list(range(40, 50)) + list(range(100, 110))
-  logits = m.prefill_last(a).numpy()[0, -1].astype(np.float64)  # before the engine runs: it does not know about this prefill
+  from tg_ds4.runner import Runner
+  e = Runner.load(GGUFFile(model), max_ctx=64)
+  a, b = list(range(40, 60)), list(range(40, 50)) + list(range(100, 110))
+  logits = e.prefill_last(a).numpy()[0, -1].astype(np.float64)  # before the engine runs: it does not know about this prefill
   lp = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
   ref = list(e.generate(a, 6))
   assert e.cached == a + ref[:-1] and e.reusable(a) == len(a) - 1 and e.reusable(b) == 10

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from tg_ds4 import stepcache
-from tg_ds4.engine import Engine
-from tg_ds4.model import Transformer
+from tg_ds4.runner import Runner
 from tg_ds4.sampling import SamplingParams
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -16,6 +15,7 @@ DS3_Q8 = REPO / "tests/fixtures/deepseek2/ds3/ds3-Q8_0.gguf"
 DS4 = REPO / "tests/fixtures/deepseek4/flash/flash-IQ2_XXS.gguf"
 DS3K = REPO / "tests/fixtures/deepseek2/ds3k/ds3k-Q4_K_M.gguf"  # K-quant weights, re-encoded at load on the CPU
 PROMPT = [1, 5, 9, 200, 33, 7, 81]
+LONG = [(7 * i) % 250 + 1 for i in range(20)]  # a padded prefill chunk and the first-token head (PROMPT is fed per token)
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
@@ -24,10 +24,9 @@ def cache(tmp_path, monkeypatch):
   return tmp_path / "steps"
 
 def _run(model, params=SamplingParams(), n=6, logprobs=None, max_ctx=64):
-  e = Engine(Transformer.from_gguf(str(model), max_ctx=max_ctx))
-  steps = list(e.steps(PROMPT, n, params, logprobs=logprobs))
-  jits = [e._greedy_step, e._sample_step, *e._heads.values(), *e._lp_steps.values(), *e.model.prefill_jits.values()]
-  return steps, [j for j in jits if j.captured is not None]
+  e = Runner.load(str(model), max_ctx=max_ctx)
+  steps = [list(e.steps(p, n, params, logprobs=logprobs)) for p in (PROMPT, LONG)]
+  return steps, [j for j in e._jits.values() if j.captured is not None]
 
 @pytest.mark.parametrize("model,params,logprobs", [(DS3, SamplingParams(), None), (DS3, SamplingParams(0.9, 40, 0.95, 0.02, seed=3), 5),
                                                    (DS3K, SamplingParams(), None)], ids=["greedy", "sampled-logprobs", "widened-weights"])
@@ -61,7 +60,7 @@ def test_warm_process_logits_are_bit_identical(tmp_path, model):
 
 def test_entries_hold_no_weights(cache):
   _run(DS3, SamplingParams(0.8, seed=1), logprobs=3)
-  m = Transformer.from_gguf(str(DS3), max_ctx=64)
+  m = Runner.load(str(DS3), max_ctx=64).model
   blobs = [p.read_bytes() for p in cache.glob("*.step")]
   samples = [bytes(b.as_memoryview())[:64] for b in stepcache.named_buffers(m) if b.nbytes >= 64]
   assert len(samples) > 30 and blobs
@@ -88,23 +87,23 @@ def test_an_entry_for_other_weights_is_refused(cache, caplog):
   """Two files with the same step names and a key forced equal: binding checks each model buffer's size and dtype, so
   the Q4_0 capture is not run on the Q8_0 weights (it would read them as Q4_0 blocks)."""
   _run(DS3)
-  q8 = Transformer.from_gguf(str(DS3_Q8), max_ctx=64)
-  q4_identity = Transformer.from_gguf(str(DS3), max_ctx=64).steps.identity
-  q8.steps.identity = q4_identity
+  q8 = Runner.load(str(DS3_Q8), max_ctx=64)
+  q4_identity = Runner.load(str(DS3), max_ctx=64).step_cache.identity
+  q8.step_cache.identity = q4_identity
   caplog.set_level(logging.WARNING, "tg_ds4")
-  assert q8.steps.path("greedy").exists() and q8.steps.load("greedy") is None
-  assert "in this model" in caplog.text and not q8.steps.path("greedy").exists()
+  assert q8.step_cache.path("greedy").exists() and q8.step_cache.load("greedy") is None
+  assert "in this model" in caplog.text and not q8.step_cache.path("greedy").exists()
 
 def test_keys_cover_what_changes_the_program(cache, monkeypatch):
-  key = lambda model=DS3, **kw: Transformer.from_gguf(str(model), **{"max_ctx": 64, **kw}).steps.key("decode")
+  key = lambda model=DS3, **kw: Runner.load(str(model), **{"max_ctx": 64, **kw}).step_cache.key("decode")
   base = key()
   assert key() == base  # stable across model instances
   assert len({base, key(max_ctx=32), key(DS3_Q8), key(llama_cpp_activations=True)}) == 4
-  assert Transformer.from_gguf(str(DS3), max_ctx=64).steps.key("greedy") != base
+  assert Runner.load(str(DS3), max_ctx=64).step_cache.key("greedy") != base
   monkeypatch.setenv("TG_DS4_WIDEN", "0")
   assert key() != base
   monkeypatch.setenv("TG_DS4_STEP_CACHE", "0")
-  assert Transformer.from_gguf(str(DS3), max_ctx=64).steps is None
+  assert Runner.load(str(DS3), max_ctx=64).step_cache is None
 
 def test_two_cold_processes_at_once(tmp_path):
   env = {**os.environ, "TG_DS4_CACHE": str(tmp_path), "PYTHONPATH": str(REPO)}
@@ -119,6 +118,6 @@ def test_two_cold_processes_at_once(tmp_path):
   assert not list((tmp_path / "steps").glob(".*.tmp"))
   listed = subprocess.run([sys.executable, "-m", "tg_ds4", "cache"], capture_output=True, text=True, cwd=REPO, env=env, timeout=120).stdout
   n = len(list((tmp_path / "steps").glob("*.step")))
-  assert n >= 3 and f"{n} entries" in listed and "prefill-32" in listed and DS3.name in listed, listed
+  assert n == 1 and f"{n} entries" in listed and "greedy" in listed  # a short prompt: only the per-token step and DS3.name in listed, listed
   cleared = subprocess.run([sys.executable, "-m", "tg_ds4", "cache", "--clear"], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
   assert f"removed {n} step cache entries" in cleared.stdout and not list((tmp_path / "steps").iterdir())

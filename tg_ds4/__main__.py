@@ -34,18 +34,17 @@ def cmd_inspect(args) -> int:
 
 def cmd_logits(args) -> int:
   import numpy as np
-  from tinygrad import Tensor, dtypes
 
-  from tg_ds4.model import Transformer
   from tg_ds4.registry import resolve
+  from tg_ds4.runner import Runner
   try: tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
   except ValueError: raise UsageError(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
   if not tokens: raise UsageError("--tokens is empty")
-  model = Transformer.from_gguf(resolve(args.model), max_ctx=args.max_context or len(tokens))
-  if bad := [t for t in tokens if not 0 <= t < model.cfg.n_vocab]:
-    raise UsageError(f"token ids {bad[:5]} are outside the vocabulary [0, {model.cfg.n_vocab})")
-  if args.mode == "prefill": logits = model.prefill(tokens, chunk=len(tokens)).numpy()[0]
-  else: logits = np.stack([model.decode(Tensor([[t]], dtype=dtypes.int32), i).numpy()[0, 0] for i, t in enumerate(tokens)])
+  runner = Runner.load(resolve(args.model), max_ctx=args.max_context or len(tokens))
+  if bad := [t for t in tokens if not 0 <= t < runner.model.cfg.n_vocab]:
+    raise UsageError(f"token ids {bad[:5]} are outside the vocabulary [0, {runner.model.cfg.n_vocab})")
+  if args.mode == "prefill": logits = runner.prefill(tokens, chunk=len(tokens)).numpy()[0]
+  else: logits = np.stack([runner.decode(t, i).numpy()[0, 0] for i, t in enumerate(tokens)])
   logits = logits.astype(np.float32)
   if args.out: np.save(args.out, logits)
   print(f"logits {list(logits.shape)} ({args.mode}) argmax {logits.argmax(-1).tolist()}" + (f" -> {args.out}" if args.out else ""))
@@ -53,22 +52,21 @@ def cmd_logits(args) -> int:
 
 def _load(args):
   from tg_ds4.gguf import GGUFFile
-  from tg_ds4.model import Transformer
   from tg_ds4.registry import resolve
+  from tg_ds4.runner import Runner
   from tg_ds4.tokenizer import Tokenizer
   gf = GGUFFile(resolve(args.model))
-  model = Transformer.from_gguf(gf, max_ctx=args.max_context or None)
-  return gf, model, Tokenizer.from_gguf(gf)
+  return gf, Runner.load(gf, max_ctx=args.max_context or None), Tokenizer.from_gguf(gf)
 
 def _sampling(args):
   from tg_ds4.sampling import SamplingParams
   try: return SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
   except ValueError as e: raise UsageError(str(e)) from None
 
-def _stream(engine, tok, ids, args, sp, out=sys.stdout) -> list[int]:
+def _stream(runner, tok, ids, args, sp, out=sys.stdout) -> list[int]:
   from tg_ds4.tokenizer import StreamDecoder
   dec, got = StreamDecoder(tok), []
-  for t in engine.generate(ids, args.n_predict, sp, stop=set(tok.stop_ids)):
+  for t in runner.generate(ids, args.n_predict, sp, stop=set(tok.stop_ids)):
     got.append(t)
     if t in tok.stop_ids: break
     out.write(dec.feed(t)); out.flush()
@@ -77,17 +75,15 @@ def _stream(engine, tok, ids, args, sp, out=sys.stdout) -> list[int]:
 
 def cmd_generate(args) -> int:
   from tg_ds4.chat import Template
-  from tg_ds4.engine import Engine
   if not args.prompt: raise UsageError("the prompt is empty (-p TEXT)")
   sp = _sampling(args)
-  gf, model, tok = _load(args)
+  gf, runner, tok = _load(args)
   template = Template.from_gguf(gf) if args.chat else None
   text = template.render([{"role": "user", "content": args.prompt}]) if template else args.prompt
   ids = tok.encode(text, add_special=template.encode_add_special(text) if template else True, parse_special=args.chat)  # no double BOS
-  if len(ids) >= model.max_ctx: raise UsageError(f"the prompt is {len(ids)} tokens; the context holds {model.max_ctx} (--max-context)")
-  engine = Engine(model)
-  _stream(engine, tok, ids, args, sp)
-  st = engine.stats
+  if len(ids) >= runner.model.max_ctx: raise UsageError(f"the prompt is {len(ids)} tokens; the context holds {runner.model.max_ctx} (--max-context)")
+  _stream(runner, tok, ids, args, sp)
+  st = runner.stats
   print(f"\n[prefill {st.prompt_tokens} tokens at {st.prefill_tps:.1f} tok/s, decode {st.generated} tokens at {st.decode_tps:.2f} tok/s; "
         f"a first run includes compiling the kernels]", file=sys.stderr)
   return 0
@@ -102,10 +98,9 @@ def cmd_tokenize(args) -> int:
 
 def cmd_chat(args) -> int:
   from tg_ds4.chat import Template, assistant_message
-  from tg_ds4.engine import Engine
   sp = _sampling(args)
-  gf, model, tok = _load(args)
-  template, engine, messages = Template.from_gguf(gf), Engine(model), []
+  gf, runner, tok = _load(args)
+  template, messages, max_ctx = Template.from_gguf(gf), [], runner.model.max_ctx
   print(f"chat with {gf.get('general.name') or gf.path.name} (Ctrl-C stops a reply, Ctrl-D quits)", file=sys.stderr)
   while True:
     try: line = input("> ")
@@ -115,15 +110,15 @@ def cmd_chat(args) -> int:
     messages.append({"role": "user", "content": line})
     text = template.render(messages, thinking=args.think)
     ids = tok.encode(text, add_special=template.encode_add_special(text), parse_special=True)
-    if len(ids) >= model.max_ctx:
-      print(f"the conversation is {len(ids)} tokens, over the context of {model.max_ctx}; start a new chat", file=sys.stderr)
+    if len(ids) >= max_ctx:
+      print(f"the conversation is {len(ids)} tokens, over the context of {max_ctx}; start a new chat", file=sys.stderr)
       return 0
-    start = engine.reusable(ids)  # the cached prefix is not run again
+    start = runner.reusable(ids)  # the cached prefix is not run again
     reply: list[int] = []
     from tg_ds4.tokenizer import StreamDecoder
     dec = StreamDecoder(tok)
     try:
-      for t in engine.generate(ids, args.n_predict, sp, stop=set(tok.stop_ids), start_pos=start):
+      for t in runner.generate(ids, args.n_predict, sp, stop=set(tok.stop_ids), start_pos=start):
         if t in tok.stop_ids: break
         reply.append(t); sys.stdout.write(dec.feed(t)); sys.stdout.flush()
       sys.stdout.write(dec.flush())
@@ -147,11 +142,11 @@ def cmd_profile(args) -> int:
 
   from tg_ds4 import profile
   from tg_ds4.bench import read_bandwidth
-  from tg_ds4.model import Transformer
   from tg_ds4.registry import resolve
+  from tg_ds4.runner import Runner
   if (args.pos is not None and args.pos < 0) or args.repeat < 1: raise UsageError("--pos >= 0 and --repeat >= 1")
   path = resolve(args.model)
-  model = Transformer.from_gguf(path, max_ctx=(127 if args.pos is None else args.pos) + 1)
+  model = Runner.load(path, max_ctx=(127 if args.pos is None else args.pos) + 1).model
   pos = model.max_ctx - 1 if args.pos is None else args.pos
   if pos >= model.max_ctx: raise UsageError(f"--pos {pos} is past the model's context of {model.max_ctx}")
   res = {"model": args.model, "file": str(path), **profile.profile_model(model, pos, args.repeat, args.prefill)}

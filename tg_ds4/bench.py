@@ -8,8 +8,7 @@ import json, os, statistics, time
 import numpy as np
 from tinygrad import GlobalCounters
 
-from tg_ds4.engine import Engine
-from tg_ds4.model import Transformer
+from tg_ds4.runner import Runner
 from tg_ds4.registry import cache_dir, resolve
 from tg_ds4.tokenizer import Tokenizer
 
@@ -32,20 +31,19 @@ def _prompt(tok: Tokenizer, n: int) -> list[int]:
   return ids
 
 def bench_tg(path, prompt: list[int], gen: int, repeat: int) -> dict:
-  model = Transformer.from_gguf(path, max_ctx=len(prompt) + gen + 8)
-  engine = Engine(model)
-  for _ in range(2): list(engine.generate(prompt, 4))  # compile + capture both JITs
+  runner = Runner.load(path, max_ctx=len(prompt) + gen + 8)
+  for _ in range(2): list(runner.generate(prompt, 4))  # compile + capture both JITs
   prefill, steps = [], []
   for _ in range(repeat):
     t, last = [], None
-    for _ in engine.generate(prompt, gen):
+    for _ in runner.generate(prompt, gen):
       now = time.perf_counter()
       if last is not None: t.append(now - last)
       last = now
-    prefill.append(engine.stats.prefill_tps); steps += t
+    prefill.append(runner.stats.prefill_tps); steps += t
   # one more decode step with the counters on: what a replayed step launches and moves
   GlobalCounters.reset()
-  engine._greedy_step(engine._tok(prompt[-1]), engine._pos(len(prompt))).item()
+  runner.next_token(prompt[-1], len(prompt)).item()
   step = statistics.median(steps)
   return {"prefill_tps": statistics.median(prefill), "decode_tps": 1 / step, "ms_per_token": 1000 * step,
           "kernels_per_step": GlobalCounters.kernel_count, "bytes_per_step": GlobalCounters.global_mem,
@@ -68,14 +66,11 @@ class BenchError(ValueError):
   """Settings that cannot run on this model (reported as a usage error)."""
 
 def run(model: str, prompt_tokens: int = 128, gen: int = 64, repeat: int = 3, vs_llama_cpp: bool = False) -> dict:
+  from tg_ds4.arch import config_of
   from tg_ds4.gguf import GGUFFile
-  from tg_ds4.config import ModelConfig
   path = resolve(model)
   gf = GGUFFile(path)
-  if gf.arch == "deepseek4":
-    from tg_ds4.ds4 import DS4Config
-    ctx = DS4Config.from_gguf(gf).ctx_len
-  else: ctx = ModelConfig.from_gguf(gf).ctx_len
+  ctx = config_of(gf).ctx_len
   if prompt_tokens + gen + 8 > ctx:
     raise BenchError(f"{path}: {prompt_tokens} prompt + {gen} generated tokens do not fit its context of {ctx} (lower --prompt-tokens/--gen)")
   tok = Tokenizer.from_gguf(gf)

@@ -74,6 +74,12 @@ class ModelConfig:
   expert_weights_scale: float = 1.0
   n_expert_group: int = 1
   n_expert_group_used: int = 1
+  # optional parts, told by which tensors the file has (so the modules never read the file)
+  attn_bias: bool = False          # q/k/v biases (qwen2)
+  qk_norm: bool = False            # per-head q/k RMS norms (qwen3, gemma3)
+  sandwich_norm: bool = False      # gemma's norms of the sublayer outputs before the residual add
+  fused_gate_up_exps: bool = False  # routed experts' gate|up as one tensor
+  expert_bias: bool = False        # the router's selection bias (V3-style `exp_probs_b`)
 
   @property
   def mla(self) -> bool: return self.kv_lora_rank > 0
@@ -132,6 +138,7 @@ class ModelConfig:
     attn_scale = 1.0 / math.sqrt(dim / n_head if gemma and n_layer == 62 else head_dim)
 
     n_expert = int(key("expert_count", 0))
+    has = lambda name: any(f"blk.{i}.{name}" in gf for i in range(n_layer))
     gating = key("expert_gating_func", 0)
     if not gating:  # llama.cpp's default for GGUFs without the key: softmax, except GLM-4.7-Flash (sigmoid)
       gating = Gating.SIGMOID if arch == "deepseek2" and n_layer in (47, 48) and n_vocab == 154880 else Gating.SOFTMAX
@@ -146,4 +153,6 @@ class ModelConfig:
       expert_ff_dim=int(key("expert_feed_forward_length", 0)), n_dense_lead=int(key("leading_dense_block_count", 0)),
       gating=Gating(int(gating)), expert_weights_norm=bool(key("expert_weights_norm", False)),
       expert_weights_scale=float(key("expert_weights_scale", 0.0) or 1.0),
-      n_expert_group=int(key("expert_group_count", 1) or 1), n_expert_group_used=int(key("expert_group_used_count", 1) or 1))
+      n_expert_group=int(key("expert_group_count", 1) or 1), n_expert_group_used=int(key("expert_group_used_count", 1) or 1),
+      attn_bias=has("attn_q.bias"), qk_norm=has("attn_q_norm.weight"), sandwich_norm=has("post_attention_norm.weight"),
+      fused_gate_up_exps=has("ffn_gate_up_exps.weight"), expert_bias=has("exp_probs_b.bias"))

@@ -35,20 +35,19 @@ The slack also makes re-running from up to PREFILL_CHUNK positions back exact (p
 MTP tensors (`nextn_predict_layers`) are ignored."""
 from __future__ import annotations
 
-import functools, math, pathlib
+import functools, math
 from dataclasses import dataclass
 
-from tinygrad import Device, Tensor, UOp, dtypes
+from tinygrad import Tensor, UOp, dtypes
 from tinygrad.function import function
 
-from tg_ds4 import actquant, stepcache
+from tg_ds4 import actquant
 from tg_ds4.config import Gating, RopeConfig, RopeType
 from tg_ds4.gguf import GGUFError, GGUFFile
 from tg_ds4.layers import Embedding, Linear, Param, Params, RMSNorm, load_weights
 from tg_ds4.moe import MoE
 from tg_ds4.quant import QTensor, Weight, as_tensor, linear
 from tg_ds4.rope import apply_rope, rope_table
-from tg_ds4.replay import Jit
 
 NEG = -3.4028234663852886e38  # float32 min: masked logits stay finite, so fully masked rows softmax to numbers
 
@@ -83,6 +82,7 @@ class DS4Config:
   expert_weights_scale: float
   swiglu_clamp: tuple[float, ...]   # per layer, routed experts
   swiglu_clamp_shexp: tuple[float, ...]
+  expert_bias: tuple[bool, ...] = ()  # per layer: the router's selection bias `exp_probs_b` (told by the file's tensors)
   gating: Gating = Gating.SQRT_SOFTPLUS
   n_expert_group: int = 1           # (moe.MoE reads these; V4 has no expert groups)
   n_expert_group_used: int = 1
@@ -124,7 +124,8 @@ class DS4Config:
       n_expert=int(key("expert_count")), n_expert_used=int(key("expert_used_count")), n_expert_shared=int(key("expert_shared_count", 0)),
       expert_ff_dim=int(key("expert_feed_forward_length")), n_hash_layer=int(key("hash_layer_count", 0)),
       expert_weights_norm=bool(key("expert_weights_norm", False)), expert_weights_scale=float(key("expert_weights_scale", 0.0) or 1.0),
-      swiglu_clamp=clamp, swiglu_clamp_shexp=per_layer(gf.get("deepseek4.swiglu_clamp_shexp")) if gf.get("deepseek4.swiglu_clamp_shexp") else clamp)
+      swiglu_clamp=clamp, swiglu_clamp_shexp=per_layer(gf.get("deepseek4.swiglu_clamp_shexp")) if gf.get("deepseek4.swiglu_clamp_shexp") else clamp,
+      expert_bias=tuple(f"blk.{i}.exp_probs_b.bias" in gf for i in range(n_layer)))
 
 @dataclass
 class Tables:
@@ -407,11 +408,11 @@ class DS4MoE(MoE):
 # ---------------------------------------------------------------- model
 
 class DS4Block:
-  def __init__(self, cfg: DS4Config, i: int, gf: GGUFFile):
+  def __init__(self, cfg: DS4Config, i: int):
     self.hc_attn, self.hc_ffn = HyperConn(cfg, "hc_attn"), HyperConn(cfg, "hc_ffn")
     self.attn_norm, self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps), RMSNorm(cfg.dim, cfg.norm_eps)
     self.attn = DS4Attention(cfg, cfg.compress_ratios[i])
-    self.ffn = DS4MoE(cfg, i, has_bias=f"blk.{i}.exp_probs_b.bias" in gf)
+    self.ffn = DS4MoE(cfg, i, has_bias=cfg.expert_bias[i])
 
   def __call__(self, x: Tensor, tokens: Tensor | UOp, start_pos: int | UOp, tabs: Tables) -> Tensor:
     h, post, comb = self.hc_attn(x)
@@ -420,39 +421,33 @@ class DS4Block:
     return hc_post(self.ffn(self.ffn_norm(h), tokens), x, post, comb).contiguous()  # one barrier per block, as model.Block
 
 class DS4Transformer:
-  """Same interface as model.Transformer (forward / decode / prefill / prefill_last, max_ctx, cfg.n_vocab). Unlike its
-  row-per-position caches, the rings only let a new run start at position 0 or up to `max_rewind` positions before the
-  last one written (prefill/prefill_last check it, see `rewind_check`)."""
-  PREFILL_CHUNK = 32  # the most tokens one forward takes (the rings' slack), and the JIT-captured prefill chunk
+  """The deepseek4 model (arch.Model). Unlike model.Transformer's row-per-position caches, the rings only let a new run
+  start at position 0 or up to `max_rewind` positions before the last one written (see `check_resume`), and one forward
+  takes at most PREFILL_CHUNK tokens."""
+  PREFILL_CHUNK = 32  # the most tokens one forward takes (the rings' slack), and the captured prefill chunk
   PREFILL_CHUNKS = (PREFILL_CHUNK,)
-  max_rewind = PREFILL_CHUNK
+  MAX_FORWARD_TOKENS: int | None = PREFILL_CHUNK
+  max_rewind: int | None = PREFILL_CHUNK
 
-  def __init__(self, cfg: DS4Config, gf: GGUFFile):
+  def __init__(self, cfg: DS4Config):
     self.cfg = cfg
     self.token_embd = Embedding(cfg.n_vocab, cfg.dim)
-    self.blk = [DS4Block(cfg, i, gf) for i in range(cfg.n_layer)]
+    self.blk = [DS4Block(cfg, i) for i in range(cfg.n_layer)]
     self.output_hc = HyperConn(cfg, "output_hc", head=True)
     self.output_norm = RMSNorm(cfg.dim, cfg.norm_eps)
     self.output = Linear(cfg.dim, cfg.n_vocab)
 
-  @staticmethod
-  def from_gguf(path: str | pathlib.Path | GGUFFile, max_ctx: int | None = None, device: str | None = None,
-                llama_cpp_activations: bool = False) -> DS4Transformer:
-    gf = path if isinstance(path, GGUFFile) else GGUFFile(path)
-    cfg, device = DS4Config.from_gguf(gf), device or Device.DEFAULT
-    model = DS4Transformer(cfg, gf)
+  @classmethod
+  def load(cls, cfg: DS4Config, gf: GGUFFile, device: str, max_ctx: int, llama_cpp_activations: bool) -> DS4Transformer:
+    model = cls(cfg)
     load_weights(model, gf, device)
-    model.max_ctx, model.llama_cpp_activations = min(max_ctx or cfg.ctx_len, cfg.ctx_len), llama_cpp_activations
-    C = DS4Transformer.PREFILL_CHUNK
-    rows = -(-(model.max_ctx + 2 * C + 128 * 2) // 128) * 128   # padded chunks, candidate windows; a multiple of every ratio
+    model.max_ctx, model.llama_cpp_activations = max_ctx, llama_cpp_activations
+    C = cls.PREFILL_CHUNK
+    rows = -(-(max_ctx + 2 * C + 128 * 2) // 128) * 128   # padded chunks, candidate windows; a multiple of every ratio
     main, comp = rope_table(cfg.rope, rows, device), rope_table(cfg.rope_comp, rows, device)
     conj = Tensor([1.0, -1.0], device=device)
     model.tabs = Tables(main, comp, (main * conj).realize(), (comp * conj).realize())
-    for b in model.blk: b.attn.init_cache(model.max_ctx, C, device)
-    model.steps = stepcache.for_model(model, gf, device, max_ctx=model.max_ctx, llama_cpp_activations=llama_cpp_activations)
-    model.decode_jit = Jit(lambda t, sp: model.forward(t, sp).realize(), model.steps, "decode")
-    model.prefill_jit = Jit(lambda t, sp, sel: model.forward(t, sp, select=sel).realize(), model.steps, "prefill")
-    model.chunk_jit = Jit(lambda t, sp: model.forward(t, sp).realize(), model.steps, "chunk")
+    for b in model.blk: b.attn.init_cache(max_ctx, C, device)
     return model
 
   def forward(self, tokens: Tensor | UOp, start_pos: int | UOp, last_only: bool = False, select: Tensor | None = None) -> Tensor:
@@ -468,40 +463,7 @@ class DS4Transformer:
       if select is not None: x = (x * select.unsqueeze(-1)).sum(1, keepdim=True)
       return self.output(self.output_norm(self.output_hc.head(x)))
 
-  def decode(self, token: Tensor, pos: int) -> Tensor:
-    """One token through the TinyJit-captured step (every position replays the same kernels)."""
-    return self.decode_jit(token, UOp.variable("start_pos", 0, self.max_ctx - 1).bind(pos))
-
-  def _check(self, tokens: list[int], start_pos: int):
-    if not tokens: raise ValueError("no tokens to prefill")
-    if start_pos + len(tokens) > self.max_ctx: raise ValueError(f"{start_pos + len(tokens)} tokens exceed the context of {self.max_ctx}")
-    self.rewind_check(start_pos)
-
-  def prefill(self, tokens: list[int], start_pos: int = 0, chunk: int = 64, last_only: bool = False) -> Tensor:
-    """Run tokens through the model in JIT-captured chunks of PREFILL_CHUNK (whatever `chunk` asks: the rings hold one
-    chunk of slack), filling the caches; logits for every position (or the last). The last chunk is padded: the padding
-    writes cache slots past the prompt, which are rewritten before any query can see them."""
-    self._check(tokens, start_pos)
-    C, outs = self.PREFILL_CHUNK, []
-    for s in range(0, len(tokens), C):
-      part = tokens[s:s + C]
-      pos = UOp.variable("start_pos", 0, self.max_ctx - 1).bind(start_pos + s)
-      out = self.chunk_jit(Tensor([part + [0] * (C - len(part))], dtype=dtypes.int32), pos)
-      outs.append(out[:, :len(part)].clone().realize())  # a copy: the JIT reuses its output buffer
-    return outs[-1][:, -1:] if last_only else outs[0].cat(*outs[1:], dim=1).realize() if len(outs) > 1 else outs[0]
-
-  def prefill_last(self, tokens: list[int], start_pos: int = 0) -> Tensor:
-    """Fill the caches with `tokens` through the JIT-captured chunk step; logits `[1, 1, vocab]` of the last token."""
-    self._check(tokens, start_pos)
-    C = self.PREFILL_CHUNK
-    for s in range(0, len(tokens), C):
-      part = tokens[s:s + C]
-      sel = [[[1.0] if i == len(part) - 1 else [0.0] for i in range(C)]]
-      out = self.prefill_jit(Tensor([part + [0] * (C - len(part))], dtype=dtypes.int32),
-                             UOp.variable("start_pos", 0, self.max_ctx - 1).bind(start_pos + s), Tensor(sel))
-    return out
-
-  def rewind_check(self, start_pos: int):
+  def check_resume(self, start_pos: int) -> None:
     """Raise unless the caches hold what a run from `start_pos` needs: position 0, or the raw rows of the `window`
     positions before it still in the ring (true up to PREFILL_CHUNK positions behind the last one written; the
     compressor state has the same slack). Deeper rewinds must prefill from 0."""

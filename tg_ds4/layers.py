@@ -161,7 +161,7 @@ def widen_for_cpu(model) -> None:
   """Dense Linear weights in formats whose bit fields cost tinygrad's CPU code more than their bytes, re-encoded with
   identical values: Q5_0 as Q8_0 (`quant.q5_0_as_q8_0`, 1.55x the bytes, a GEMV 2.5x faster per weight) and, when the
   extra memory stays under WIDEN_K_MAX_EXTRA, Q6_K and Q4_K as int8 with float32 sub-block scales
-  (`quant.widen_k_quant`, 1.5x / 2.2x the bytes). A per-device choice: `Transformer.from_gguf` makes it on CPU."""
+  (`quant.widen_k_quant`, 1.5x / 2.2x the bytes). A per-device choice: `Transformer.load` makes it on CPU."""
   ws = [(o, w) for o, attr, w in packed_weights(model) if isinstance(o, Linear) and attr == "weight"]
   for owner, w in ws:
     if w.qtype.name == "Q5_0": owner.weight = q5_0_as_q8_0(w)

@@ -3,11 +3,11 @@
 Module attributes carry GGUF tensor names, so `load_weights` fills them with packed tensors straight from the file."""
 from __future__ import annotations
 
-import dataclasses, os, pathlib
+import dataclasses, os
 
-from tinygrad import Context, Device, Tensor, UOp, dtypes
+from tinygrad import Tensor, UOp, dtypes
 
-from tg_ds4 import actquant, quant, stepcache
+from tg_ds4 import actquant
 from tg_ds4.attention import GQA
 from tg_ds4.config import ModelConfig
 from tg_ds4.gguf import GGUFError, GGUFFile
@@ -15,18 +15,16 @@ from tg_ds4.layers import Embedding, Linear, RMSNorm, fusable, fuse_rows, load_w
 from tg_ds4.mla import MLA
 from tg_ds4.moe import FFN, MoE
 from tg_ds4.rope import rope_table
-from tg_ds4.replay import Jit
 
 
 class Block:
-  def __init__(self, cfg: ModelConfig, i: int, gf: GGUFFile):
-    has = lambda name: f"blk.{i}.{name}" in gf
+  def __init__(self, cfg: ModelConfig, i: int):
     self.swa = cfg.is_swa_layer(i)
     self.attn_norm, self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps), RMSNorm(cfg.dim, cfg.norm_eps)
-    if has("post_attention_norm.weight"):  # gemma's sandwich norms: the sublayer outputs are normed before the residual add
+    if cfg.sandwich_norm:  # gemma's sandwich norms: the sublayer outputs are normed before the residual add
       self.post_attention_norm, self.post_ffw_norm = RMSNorm(cfg.dim, cfg.norm_eps), RMSNorm(cfg.dim, cfg.norm_eps)
-    self.attn = MLA(cfg) if cfg.mla else GQA(cfg, bias=has("attn_q.bias"), qk_norm=has("attn_q_norm.weight"), window=cfg.swa_window * self.swa)
-    if cfg.is_moe_layer(i): self.ffn = MoE(cfg, fused_gate_up=has("ffn_gate_up_exps.weight"), has_bias=has("exp_probs_b.bias"))
+    self.attn = MLA(cfg) if cfg.mla else GQA(cfg, bias=cfg.attn_bias, qk_norm=cfg.qk_norm, window=cfg.swa_window * self.swa)
+    if cfg.is_moe_layer(i): self.ffn = MoE(cfg, fused_gate_up=cfg.fused_gate_up_exps, has_bias=cfg.expert_bias)
     else: self.ffn = FFN(cfg.dim, cfg.ff_dim, act=cfg.ffn_act)
 
   def fuse(self) -> None:
@@ -49,39 +47,26 @@ class Block:
     return (h + (self.post_ffw_norm(f) if post else f)).contiguous()
 
 class Transformer:
-  # tokens per JIT-captured prefill step, one capture per size: a prompt goes in chunks of the largest size and its tail
+  """The deepseek2 and dense models (arch.Model): one cache row per position, so any cached prefix can be resumed."""
+  # tokens per captured prefill step, one capture per size: a prompt goes in chunks of the largest size and its tail
   # in the smallest size that holds it (padded). Bigger chunks reuse each unpacked weight for more tokens (qwen2.5, 64
   # tokens: one chunk of 64 is 1.17x the prefill speed of two of 32); a tail never pads to more than the next size up.
   PREFILL_CHUNKS = (32, 64, 128)
   PREFILL_CHUNK = PREFILL_CHUNKS[-1]  # the most tokens one chunk writes: the cache's slack rows past max_ctx
+  MAX_FORWARD_TOKENS: int | None = None  # a forward takes any number of tokens
+  max_rewind: int | None = None          # a run may start at any cached position
 
-  def __init__(self, cfg: ModelConfig, gf: GGUFFile):
+  def __init__(self, cfg: ModelConfig):
     self.cfg = cfg
     self.token_embd = Embedding(cfg.n_vocab, cfg.dim)
-    self.blk = [Block(cfg, i, gf) for i in range(cfg.n_layer)]
+    self.blk = [Block(cfg, i) for i in range(cfg.n_layer)]
     self.output_norm = RMSNorm(cfg.dim, cfg.norm_eps)
     self.output = Linear(cfg.dim, cfg.n_vocab)
 
-  @staticmethod
-  def from_gguf(path: str | pathlib.Path | GGUFFile, max_ctx: int | None = None, device: str | None = None,
-                llama_cpp_activations: bool = False) -> Transformer:
-    """Load a model. `llama_cpp_activations` rounds quantized-matmul inputs as llama.cpp's CPU backend does (see
-    actquant.py): for token-exact comparisons with llama.cpp; the default is exact float math."""
-    gf = path if isinstance(path, GGUFFile) else GGUFFile(path)
-    # the few small kernels of a load (zeroed caches, rope tables, stacked rows) are lowered in this process: starting
-    # tinygrad's pool of compile workers for them costs ~0.8 s, most of a warm start
-    with Context(PARALLEL=0):
-      quant.realize_tables(device or Device.DEFAULT)
-      if gf.arch == "deepseek4":  # V4 (hyper-connections, compressed KV): its own model class with the same interface
-        from tg_ds4.ds4 import DS4Transformer
-        return DS4Transformer.from_gguf(gf, max_ctx, device, llama_cpp_activations)  # type: ignore[return-value]
-      return Transformer._load(gf, max_ctx, device, llama_cpp_activations)
-
-  @staticmethod
-  def _load(gf: GGUFFile, max_ctx: int | None, device: str | None, llama_cpp_activations: bool) -> Transformer:
-    cfg = ModelConfig.from_gguf(gf)
-    device = device or Device.DEFAULT
-    model = Transformer(cfg, gf)
+  @classmethod
+  def load(cls, cfg: ModelConfig, gf: GGUFFile, device: str, max_ctx: int, llama_cpp_activations: bool) -> Transformer:
+    """Weights from the file (packed; see layers.load_weights), CPU re-encodings, caches and rope tables."""
+    model = cls(cfg)
     rename = {} if "output.weight" in gf else {"output.weight": "token_embd.weight"}  # tied embeddings
     for i, b in enumerate(model.blk):
       if cfg.mla and f"blk.{i}.attn_k_b.weight" not in gf: _split_kv_b(b.attn, gf, i, device)
@@ -89,15 +74,11 @@ class Transformer:
     # see widen_for_cpu; not under llama_cpp_activations, which rounds a matmul's input by the file's weight format
     if device.startswith("CPU") and os.environ.get("TG_DS4_WIDEN", "1") != "0" and not llama_cpp_activations: widen_for_cpu(model)
     for b in model.blk: b.fuse()
-    model.max_ctx, model.llama_cpp_activations = min(max_ctx or cfg.ctx_len, cfg.ctx_len), llama_cpp_activations
-    rows = model.max_ctx + Transformer.PREFILL_CHUNK  # slack for the padded tail of the last prefill chunk
+    model.max_ctx, model.llama_cpp_activations = max_ctx, llama_cpp_activations
+    rows = max_ctx + cls.PREFILL_CHUNK  # slack for the padded tail of the last prefill chunk
     model.rope = rope_table(cfg.rope, rows, device)
     model.rope_swa = rope_table(dataclasses.replace(cfg.rope, base=cfg.rope_base_swa), rows, device) if cfg.swa_layers else None
     for b in model.blk: b.attn.init_cache(rows, device)
-    model.steps = stepcache.for_model(model, gf, device, max_ctx=model.max_ctx, llama_cpp_activations=llama_cpp_activations)
-    model.decode_jit = Jit(model._decode, model.steps, "decode")
-    model.prefill_jits = {C: Jit(lambda t, sp, sel: model.forward(t, sp, select=sel).realize(), model.steps, f"prefill-{C}")
-                          for C in model.PREFILL_CHUNKS}
     return model
 
   def forward(self, tokens: Tensor | UOp, start_pos: int | UOp, last_only: bool = False, select: Tensor | None = None) -> Tensor:
@@ -113,43 +94,12 @@ class Transformer:
       logits = self.output(self.output_norm(x))
       return (logits / (c := self.cfg.logit_softcap)).tanh() * c if self.cfg.logit_softcap else logits
 
+  def check_resume(self, start_pos: int) -> None: pass  # every row of a cached prefix stays in the cache
+
   def cache_tensors(self) -> list[tuple[str, Tensor, int]]:
     """Every KV-cache tensor as (name, tensor, row axis): rows [0:n] along that axis are the state after n tokens, so a
     prefix can be saved and restored without knowing the attention class."""
     return [(f"blk.{i}.attn.cache", b.attn.cache, 1) for i, b in enumerate(self.blk)]
-
-  def _decode(self, token: Tensor, start_pos: UOp) -> Tensor: return self.forward(token, start_pos).realize()
-
-  def decode(self, token: Tensor, pos: int) -> Tensor:
-    """One token through the TinyJit-captured step; `pos` is bound to a symbolic variable, so every position replays
-    the same captured kernels."""
-    return self.decode_jit(token, UOp.variable("start_pos", 0, self.max_ctx - 1).bind(pos))
-
-  def prefill(self, tokens: list[int], start_pos: int = 0, chunk: int = 64, last_only: bool = False) -> Tensor:
-    """Run tokens through the model in chunks, filling the caches; logits for every position (or the last)."""
-    if start_pos + len(tokens) > self.max_ctx: raise ValueError(f"{start_pos + len(tokens)} tokens exceed the context of {self.max_ctx}")
-    outs = []
-    for s in range(0, len(tokens), chunk):
-      t = Tensor([tokens[s:s + chunk]], dtype=dtypes.int32)
-      sp = UOp.variable("start_pos", 0, self.max_ctx - 1).bind(start_pos + s)  # symbolic: chunks share compiled kernels
-      outs.append(self.forward(t, sp, last_only=last_only).realize())
-    return outs[-1] if last_only else outs[0].cat(*outs[1:], dim=1) if len(outs) > 1 else outs[0]
-
-  def prefill_last(self, tokens: list[int], start_pos: int = 0) -> Tensor:
-    """Fill the caches with `tokens` through the JIT-captured chunk step; logits `[1, 1, vocab]` of the last token.
-    Chunks come in the sizes of PREFILL_CHUNKS, the last one padded: the padding writes cache rows past the prompt,
-    which decode overwrites before any query can see them (a query at position p reads rows <= p only)."""
-    n, s = len(tokens), 0
-    if not tokens: raise ValueError("no tokens to prefill")
-    if start_pos + n > self.max_ctx: raise ValueError(f"{start_pos + n} tokens exceed the context of {self.max_ctx}")
-    while s < n:
-      C = next((c for c in self.PREFILL_CHUNKS if c >= n - s), self.PREFILL_CHUNKS[-1])
-      part = tokens[s:s + C]
-      sel = [[[1.0] if i == len(part) - 1 else [0.0] for i in range(C)]]
-      out = self.prefill_jits[C](Tensor([part + [0] * (C - len(part))], dtype=dtypes.int32),
-                                 UOp.variable("start_pos", 0, self.max_ctx - 1).bind(start_pos + s), Tensor(sel))
-      s += C
-    return out
 
 def _split_kv_b(attn: MLA, gf: GGUFFile, i: int, device: str) -> None:
   """Old GGUFs store `attn_kv_b` [H*(nope+v), kv_lora]; split it into the absorbed k_b [H, kv_lora, nope] and

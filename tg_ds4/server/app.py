@@ -77,9 +77,8 @@ def load(model: str, max_context: int | None, kv_cache_dir: str | None = None, k
   """Tokenizer and template here; model and KV store on the worker's thread (see Worker). Returns once the model is
   loaded (a bad file raises here); the warm-up compile runs on while the server already answers /health."""
   from tg_ds4.chat import Template
-  from tg_ds4.engine import Engine
   from tg_ds4.gguf import GGUFFile
-  from tg_ds4.model import Transformer
+  from tg_ds4.runner import Runner
   from tg_ds4.registry import resolve
   from tg_ds4.server.kvstore import KVStore, model_fingerprint
   from tg_ds4.server.worker import Worker
@@ -87,12 +86,12 @@ def load(model: str, max_context: int | None, kv_cache_dir: str | None = None, k
   path = pathlib.Path(resolve(model))
   gf = GGUFFile(path)
   tok, t0 = Tokenizer.from_gguf(gf), time.perf_counter()
-  def load_engine():
-    engine = Engine(Transformer.from_gguf(gf, max_ctx=max_context or None))
-    kv = KVStore(kv_cache_dir, model_fingerprint(path, engine.cache_layout()), kv_cache_size, kv_cache_min_tokens) if kv_cache_dir else None
-    return engine, kv
-  worker = Worker(load_engine, max_queue, warmup=(tok.encode("Hello, world", add_special=True) or [0]) if warmup else None).start().wait_loaded()
-  model_id, max_ctx = str(gf.get("general.name") or path.stem), worker.engine.model.max_ctx
+  def load_runner():
+    runner = Runner.load(gf, max_ctx=max_context or None)
+    kv = KVStore(kv_cache_dir, model_fingerprint(path, runner.cache_layout()), kv_cache_size, kv_cache_min_tokens) if kv_cache_dir else None
+    return runner, kv
+  worker = Worker(load_runner, max_queue, warmup=(tok.encode("Hello, world", add_special=True) or [0]) if warmup else None).start().wait_loaded()
+  model_id, max_ctx = str(gf.get("general.name") or path.stem), worker.runner.model.max_ctx
   log.info("loaded %s (%s) in %.1fs; context %d", model_id, path.name, time.perf_counter() - t0, max_ctx)
   return Served(model_id, frozenset({model_id, model, path.name, path.stem}), tok, Template.from_gguf(gf), max_ctx, worker)
 

@@ -8,7 +8,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from tg_ds4.engine import Step
+from tg_ds4.runner import Step
 from tg_ds4.server.body import read_request
 from tg_ds4.server.completion import Completion, Finish, Piece, cancel_on_disconnect
 from tg_ds4.server.errors import ApiError

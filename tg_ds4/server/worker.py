@@ -10,7 +10,7 @@ import asyncio, itertools, logging, queue, threading, time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tg_ds4.engine import Engine
+from tg_ds4.runner import Runner
 from tg_ds4.sampling import SamplingParams
 from tg_ds4.server.kvstore import KVStore
 
@@ -57,10 +57,10 @@ class Job:
 class QueueFull(Exception): pass
 
 class Worker:
-  """`load` builds the engine (and the KV store, if any) on the worker's own thread: tinygrad keeps per-thread state
+  """`load` builds the runner (and the KV store, if any) on the worker's own thread: tinygrad keeps per-thread state
   (its compile cache's SQLite connection), so the model is never touched from any other thread."""
-  def __init__(self, load: Callable[[], tuple[Engine, KVStore | None]], max_queue: int = 64, warmup: list[int] | None = None):
-    self.load, self.warmup, self.engine, self.kvstore, self.load_error = load, warmup, None, None, None
+  def __init__(self, load: Callable[[], tuple[Runner, KVStore | None]], max_queue: int = 64, warmup: list[int] | None = None):
+    self.load, self.warmup, self.runner, self.kvstore, self.load_error = load, warmup, None, None, None
     self.queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
     self.loaded, self.ready, self.current = threading.Event(), threading.Event(), None
     self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "tokens": 0}
@@ -86,16 +86,16 @@ class Worker:
 
   def status(self) -> dict:
     return {"ready": self.ready.is_set(), "queued": self.queue.qsize(), "busy": self.current is not None, **self.counts,
-            "last_cancel": self.last_cancel, "cached_tokens": len(self.engine.cached) if self.engine else 0,
+            "last_cancel": self.last_cancel, "cached_tokens": len(self.runner.cached) if self.runner else 0,
             "kv_store": self.kvstore.stats() if self.kvstore else None}
 
   def _run(self):
-    try: self.engine, self.kvstore = self.load()
+    try: self.runner, self.kvstore = self.load()
     except Exception as e: self.load_error = e; return
     finally: self.loaded.set()
     if self.warmup:  # compile and capture the prefill and decode steps before the first request
       t = time.perf_counter()
-      try: list(self.engine.generate(self.warmup, 3))
+      try: list(self.runner.generate(self.warmup, 3))
       except Exception: log.exception("warm-up failed")
       log.info("warm-up done in %.1fs", time.perf_counter() - t)
     self.ready.set()
@@ -116,7 +116,7 @@ class Worker:
         self.job_seconds = 0.8 * self.job_seconds + 0.2 * (time.perf_counter() - t)
 
   def _reuse(self, prompt: list[int]) -> int:
-    eng, kv, start = self.engine, self.kvstore, self.engine.reusable(prompt)
+    eng, kv, start = self.runner, self.kvstore, self.runner.reusable(prompt)
     if kv is None: return start
     entry = None
     try:
@@ -132,7 +132,7 @@ class Worker:
     return start
 
   def _generate(self, job: Job):
-    eng, prompt = self.engine, job.prompt
+    eng, prompt = self.runner, job.prompt
     start = self._reuse(prompt)
     job.emit(Started(start))
     reason, last = "length", None

@@ -1,0 +1,57 @@
+"""What a model is to the rest of tg_ds4 (`Model`), and which config and model class each GGUF architecture gets.
+
+`load_model` is the one place a model file is read: the config from its metadata (and which optional tensors it has),
+then the weights. Everything after that (captured steps, generation, prefix reuse) is runner.Runner's."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tinygrad import Tensor, UOp
+
+from tg_ds4.config import ModelConfig
+from tg_ds4.ds4 import DS4Config, DS4Transformer
+from tg_ds4.gguf import GGUFError, GGUFFile
+from tg_ds4.model import Transformer
+
+
+class Model(Protocol):
+  """A loaded model: a forward over its own caches, the cache layout, and how far a cached prefix can be reused."""
+  cfg: Any                          # ModelConfig or DS4Config: n_vocab, ctx_len, ...
+  max_ctx: int
+  llama_cpp_activations: bool
+  PREFILL_CHUNKS: tuple[int, ...]   # token counts of the captured prefill steps, ascending
+  PREFILL_CHUNK: int                # the most tokens one prefill step writes (the caches' slack past max_ctx)
+  MAX_FORWARD_TOKENS: int | None    # the most tokens one forward takes; None: any
+  max_rewind: int | None            # a run may start at most this far before the furthest row written; None: anywhere
+
+  def forward(self, tokens: Tensor | UOp, start_pos: int | UOp, last_only: bool = False, select: Tensor | None = None) -> Tensor:
+    """tokens `[1, T]` (or one token as a bound variable) at positions start_pos.. -> logits `[1, T, vocab]`; the
+    caches are written in the same graph."""
+    ...
+  def check_resume(self, start_pos: int) -> None:
+    """Raise ValueError unless the caches hold what a run starting at `start_pos` needs."""
+    ...
+  def cache_tensors(self) -> list[tuple[str, Tensor, int]]:
+    """(name, tensor, row axis) of every cache tensor whose rows [0:n] are the state after n tokens."""
+    ...
+
+@dataclass(frozen=True)
+class Arch:
+  config: Any  # a frozen config class with from_gguf(gf)
+  model: Any   # a Model class with load(cfg, gf, device, max_ctx, llama_cpp_activations)
+
+_DEEPSEEK2_AND_DENSE = Arch(ModelConfig, Transformer)
+ARCHS: dict[str, Arch] = {"deepseek2": _DEEPSEEK2_AND_DENSE, "llama": _DEEPSEEK2_AND_DENSE, "qwen2": _DEEPSEEK2_AND_DENSE,
+                          "qwen3": _DEEPSEEK2_AND_DENSE, "gemma3": _DEEPSEEK2_AND_DENSE, "deepseek4": Arch(DS4Config, DS4Transformer)}
+
+def config_of(gf: GGUFFile) -> Any:
+  if (a := ARCHS.get(gf.arch)) is None:
+    raise GGUFError(f"{gf.path}: architecture {gf.arch!r} is not supported (supported: {', '.join(ARCHS)})")
+  return a.config.from_gguf(gf)
+
+def load_model(gf: GGUFFile, device: str, max_ctx: int | None = None, llama_cpp_activations: bool = False) -> Model:
+  """The model of `gf`: config, weights (packed, mmapped), caches for `max_ctx` positions (default: the file's context).
+  `llama_cpp_activations` rounds quantized-matmul inputs as llama.cpp's CPU backend does (see actquant.py)."""
+  cfg = config_of(gf)
+  return ARCHS[gf.arch].model.load(cfg, gf, device, min(max_ctx or cfg.ctx_len, cfg.ctx_len), llama_cpp_activations)
