@@ -5,24 +5,26 @@ import json, sys
 
 from tinygrad import Device, GlobalCounters, Tensor, UOp
 
+from tg_ds4.arch import Model
+from tg_ds4.ds4 import DS4Transformer
 from tg_ds4.layers import packed_weights
-from tg_ds4.model import Transformer
 from tg_ds4.quant import QTensor
+from tg_ds4.runner import Runner
 from tg_ds4.sampling import greedy
 
 def _packed_bytes(obj) -> int:
   """Packed bytes of every weight below a block (what one decode step must read at least once)."""
   return obj.nbytes if isinstance(obj, QTensor) else sum(w.nbytes for _, _, w in packed_weights(obj))
 
-def decode_counts(model: Transformer) -> dict[str, dict[str, float]]:
+def decode_counts(model: Model) -> dict[str, dict[str, float]]:
   """{block kind: {kernels, bytes, packed}} for one decode token at position 7, plus the head with greedy sampling."""
   cfg, out, pos = model.cfg, {}, UOp.variable("start_pos", 0, model.max_ctx - 1).bind(7)
-  ds4 = hasattr(cfg, "compress_ratios")  # deepseek4: hyper-connection streams in, token id for hash routing
+  ds4 = isinstance(model, DS4Transformer)  # hyper-connection streams in, token id for hash routing
   for i, b in enumerate(model.blk):
     if ds4:  # attention by compression ratio (window only / ratio 4 + indexer / ratio 128), routing by token hash or top-k
       kind = f"DS4 {dict([(0, 'SWA'), (4, 'CSA'), (128, 'HCA')])[cfg.compress_ratios[i]]} {'hash-MoE' if i < cfg.n_hash_layer else 'MoE'}"
     else: kind = f"{'MLA' if cfg.mla else 'GQA'} {'MoE' if cfg.is_moe_layer(i) else 'dense'}" + \
-      (" sandwich" if hasattr(b, "post_attention_norm") else "") + (" SWA" if b.swa else "")  # gemma: extra norms, windowed mask
+      (" sandwich" if cfg.sandwich_norm else "") + (" SWA" if b.swa else "")  # gemma: extra norms, windowed mask
     if kind in out: continue
     x = Tensor.empty(1, 1, *((cfg.hc,) if ds4 else ()), cfg.dim).realize()
     GlobalCounters.reset()
@@ -36,7 +38,7 @@ def decode_counts(model: Transformer) -> dict[str, dict[str, float]]:
 
 if __name__ == "__main__":
   assert Device.DEFAULT == "NULL", "run with DEV=NULL"
-  res = {p: decode_counts(Transformer.from_gguf(p, max_ctx=64)) for p in sys.argv[1:] if p != "--json"}
+  res = {p: decode_counts(Runner.load(p, max_ctx=64).model) for p in sys.argv[1:] if p != "--json"}
   if "--json" in sys.argv: print(json.dumps(res))
   else:
     for p, kinds in res.items():

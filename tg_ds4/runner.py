@@ -167,8 +167,9 @@ class Runner:
 
   def decode(self, token: int, pos: int) -> Tensor:
     """Logits `[1, 1, vocab]` of one token at `pos` through the captured step; the symbolic position lets every position
-    replay the same kernels."""
-    out = self._step("decode", lambda t, sp: self.model.forward(t, sp).realize())(self._tok(token), self._pos(pos))
+    replay the same kernels. The token goes in as a `[1, 1]` tensor (its embedding a one-hot gather), unlike the
+    generation steps' bound variable (a one-row slice): the two differ in float rounding only."""
+    out = self._step("decode", lambda t, sp: self.model.forward(t, sp).realize())(Tensor([[token]], dtype=dtypes.int32), self._pos(pos))
     self.cached = self.cached[:pos] + [token]
     return out
 
