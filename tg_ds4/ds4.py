@@ -393,13 +393,15 @@ class DS4MoE(MoE):
     return ids, w * cfg.expert_weights_scale
 
   def _swiglu(self, g: Tensor, u: Tensor, limit: float) -> Tensor:
-    return g.minimum(limit).silu() * u.clip(-limit, limit) if limit > 0 else g.silu() * u
+    """Clamped SwiGLU, materialised with the same barriers as moe._swiglu (gate GEMV alone, activation in the up GEMV)."""
+    g = g.contiguous()
+    return (g.minimum(limit).silu() * u.clip(-limit, limit) if limit > 0 else g.silu() * u).contiguous()
 
   def __call__(self, x: Tensor, tokens: Tensor | UOp | None = None) -> Tensor:
     ids, w = self.route(x, tokens)
     h = x.unsqueeze(-2).unsqueeze(-2)                                              # [B,T,1,1,D] against [B,T,k,F,D]
     act = self._swiglu(linear(h, self.ffn_gate_exps.weight[ids]), linear(h, self.ffn_up_exps.weight[ids]), self.limit)
-    y = linear(act.contiguous(), self.ffn_down_exps.weight[ids]).squeeze(-2)      # [B,T,k,D]
+    y = linear(act, self.ffn_down_exps.weight[ids]).squeeze(-2).contiguous()      # [B,T,k,D], as moe.MoE
     y = (y * w.unsqueeze(-1)).sum(-2)
     if not hasattr(self, "shexp"): return y
     s = self.shexp
