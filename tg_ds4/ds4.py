@@ -46,7 +46,7 @@ from tg_ds4.config import Gating, RopeConfig, RopeType
 from tg_ds4.gguf import GGUFError, GGUFFile
 from tg_ds4.layers import Embedding, Linear, Param, Params, RMSNorm, load_weights
 from tg_ds4.moe import MoE
-from tg_ds4.quant import QTensor, Weight, as_tensor, linear
+from tg_ds4.quant import QTensor, Weight, as_tensor, dot_lanes, linear
 from tg_ds4.rope import apply_rope, rope_table
 
 NEG = -3.4028234663852886e38  # float32 min: masked logits stay finite, so fully masked rows softmax to numbers
@@ -362,7 +362,7 @@ class DS4Attention:
       seen = ((_arange(rows.shape[0]) + 1) * self.ratio).reshape(1, -1) <= qpos + 1      # complete windows only
       if self.ratio == 4: seen = seen & self.select(x, qr, start_pos, tabs, seen)
       keys, ok = rows.cat(raw), seen.cat(ok, dim=1)  # the symbolic-length part first: tinygrad cannot cat after a fixed one
-    scores = ok.where((q.transpose(1, 2) @ keys.transpose()) * D ** -0.5, NEG)                   # [B, H, T, S]
+    scores = ok.where(dot_lanes(q.transpose(1, 2), keys) * D ** -0.5, NEG)                      # [B, H, T, S]
     sink = as_tensor(self.attn_sinks.weight).reshape(1, H, 1, 1)                              # a logit with no value
     m = scores.max(-1, keepdim=True).maximum(sink)
     e = (scores - m).exp()
@@ -397,12 +397,10 @@ class DS4MoE(MoE):
     g = g.contiguous()
     return (g.minimum(limit).silu() * u.clip(-limit, limit) if limit > 0 else g.silu() * u).contiguous()
 
+  def _act(self, g: Tensor, u: Tensor) -> Tensor: return self._swiglu(g, u, self.limit)
+
   def __call__(self, x: Tensor, tokens: Tensor | UOp | None = None) -> Tensor:
-    ids, w = self.route(x, tokens)
-    h = x.unsqueeze(-2).unsqueeze(-2)                                              # [B,T,1,1,D] against [B,T,k,F,D]
-    act = self._swiglu(linear(h, self.ffn_gate_exps.weight[ids]), linear(h, self.ffn_up_exps.weight[ids]), self.limit)
-    y = linear(act, self.ffn_down_exps.weight[ids]).squeeze(-2).contiguous()      # [B,T,k,D], as moe.MoE
-    y = (y * w.unsqueeze(-1)).sum(-2)
+    y = self.experts(x, *self.route(x, tokens))
     if not hasattr(self, "shexp"): return y
     s = self.shexp
     return y + s.ffn_down_shexp(self._swiglu(s.ffn_gate_shexp(x), s.ffn_up_shexp(x), self.limit_shexp))

@@ -9,7 +9,8 @@ from tinygrad import Device, Tensor, UOp, dtypes
 
 from tg_ds4.config import ModelConfig
 from tg_ds4.layers import Linear, Param, Params, RMSNorm, zeros
-from tg_ds4.quant import linear
+from tg_ds4.actquant import round_activations
+from tg_ds4.quant import QTensor, Weight, dot_lanes, linear
 from tg_ds4.rope import apply_rope
 
 
@@ -31,6 +32,13 @@ def write_cache(cache: Tensor, new: Tensor, start_pos: int | UOp) -> Tensor:
   T = new.shape[1]
   stored = Tensor(cache.uop.after(cache[:, start_pos:start_pos + T].uop.store(new.cast(cache.dtype).uop)))
   return stored[:, :start_pos + T]
+
+def _absorb(x: Tensor, w: Weight) -> Tensor:
+  """`linear(x, w)` for the absorb weights. A chunk unpacks each once to float32 (1-5 MB per layer), as layers.Linear
+  does for the chunk GEMMs: contracted packed, every head's weight would be unpacked once per token (0.06 GB/s on a
+  V2-Lite-shaped chunk). The input is still rounded as llama.cpp rounds it for the packed format, when asked to."""
+  if x.shape[-2] == 1 or not (isinstance(w, QTensor) and w.qtype.quantized): return linear(x, w)
+  return linear(round_activations(x, w.qtype.name), w.dequant(dtypes.float32).contiguous())
 
 class MLA:
   gguf_flat = True
@@ -55,15 +63,17 @@ class MLA:
     q = q.reshape(B, T, H, cfg.head_dim)
     q_pe = apply_rope(q[..., nope:], rope, start_pos, cfg.rope.type)
     # absorb k_b into the query: [B,H,T,nope] @ [H,nope,L] -> [B,H,T,L]
-    q_lat = linear(q[..., :nope].transpose(1, 2), self.attn_k_b.weight)
+    q_lat = _absorb(q[..., :nope].transpose(1, 2), self.attn_k_b.weight)
     q = q_lat.cat(q_pe.transpose(1, 2), dim=-1)                                         # [B,H,T,L+R]
 
     kv = self.attn_kv_a_mqa(x)
     k_new = self.attn_kv_a_norm(kv[..., :L], per_element=True).cat(apply_rope(kv[..., L:], rope, start_pos, cfg.rope.type), dim=-1)
     k = write_cache(self.cache, k_new, start_pos).unsqueeze(1)                        # [B,1,S,L+R]
 
-    scores = (q @ k.transpose(-1, -2)) * cfg.kq_scale                                  # [B,H,T,S]
+    scores = dot_lanes(q, k) * cfg.kq_scale                                             # [B,H,T,S]
     if (mask := causal_mask(T, start_pos)) is not None: scores = scores + mask
     o = scores.softmax(-1) @ k[..., :L]                                                 # V = latent part of K
-    o = linear(o, self.attn_v_b.weight)                                                 # [B,H,T,v_head]
-    return self.attn_output(o.transpose(1, 2).reshape(B, T, H * cfg.v_head_dim))
+    o = _absorb(o, self.attn_v_b.weight).transpose(1, 2).reshape(B, T, H * cfg.v_head_dim)              # [B,T,H*v_head]
+    # a chunk's heads laid out token-major first: read through the transpose, the attn_output GEMM's reduction splits
+    # into head and value axes and misses kernel_opts' GEMM shape (0.3 GB/s on a V2-Lite-shaped chunk)
+    return self.attn_output(o.contiguous() if T > 1 else o)
