@@ -368,7 +368,8 @@ class DS4Attention:
     e = (scores - m).exp()
     o = (e @ keys) / (e.sum(-1, keepdim=True) + (sink - m).exp())                               # [B, H, T, D]
     o = rope_tail(o.transpose(1, 2), inv, start_pos)                                            # rotate V's RoPE back
-    o = o.reshape(B * T, G, H * D // G).transpose(0, 1)                                         # [G, BT, H*D/G]
+    # materialised: left lazy, the attention output (and its inverse rope) is recomputed for every row of the GEMV
+    o = o.reshape(B * T, G, H * D // G).transpose(0, 1).contiguous()                            # [G, BT, H*D/G]
     o = linear(o, _grouped(self.attn_output_a.weight, G)).transpose(0, 1).reshape(B, T, G * cfg.o_lora_rank)
     return self.attn_output_b(o)
 
