@@ -72,3 +72,19 @@ def test_fully_masked_row_is_finite():
   probs = masked.softmax(-1).numpy()
   assert np.isfinite(probs).all() and np.allclose(probs.sum(-1), 1.0)
   np.testing.assert_array_equal(causal_mask(3, 2).numpy() == 0, np.tril(np.ones((3, 5), bool), 2))
+
+def test_prefill_plan(tiny):
+  """A prompt tail is split into whole chunks of the captured sizes, a short rest fed per token and a longer rest into
+  the smallest chunk that holds it; nothing is padded past the next chunk size, nothing fed past FEED_TOKENS."""
+  from tg_ds4.runner import FEED_TOKENS
+  r = Runner.load(tiny, max_ctx=32)
+  C = r.model.PREFILL_CHUNKS
+  for n in range(1, 400):
+    sizes, fed = r._plan(n, FEED_TOKENS)
+    assert 0 <= fed <= FEED_TOKENS and all(c in C for c in sizes) and sum(sizes) >= n - fed
+    assert sum(sizes[:-1]) < n - fed if sizes else fed == n          # only the last chunk may be padded
+    if sizes and fed: assert sum(sizes) == n - fed                    # padding and feeding never together
+    rest = n - fed - sum(sizes[:-1])
+    if sizes: assert sizes[-1] >= rest and all(c < rest for c in C if c < sizes[-1])  # the smallest chunk that holds the rest
+  assert r._plan(5, FEED_TOKENS) == ([], 5) and r._plan(20, FEED_TOKENS) == ([32], 0) and r._plan(36, FEED_TOKENS) == ([32], 4)
+  assert r._plan(5, 0) == ([32], 0)  # prefill_last: chunks only
