@@ -117,13 +117,14 @@ class Runner:
 
   def _next_step(self, is_greedy: bool, k: int | None) -> Jit:
     """One token -> the next token id `[1, 1]`, or with k logprobs the `[1, 2 + 2k]` row of _with_logprobs."""
+    kind = "greedy" if is_greedy else "sample"
+    if (j := self._jits.get(name := kind if k is None else f"logprobs-{kind}-{k}")) is not None: return j  # per token: no new closure
     m = self.model
     def step(tok, sp, *sargs):
       logits = m.forward(tok, sp, last_only=True)[:, -1]
       nxt = greedy(logits) if is_greedy else sample(logits, *sargs)
       return (nxt if k is None else _with_logprobs(logits, nxt, k)).realize()
-    kind = "greedy" if is_greedy else "sample"
-    return self._step(kind if k is None else f"logprobs-{kind}-{k}", step)
+    return self._step(name, step)
 
   def _head(self, is_greedy: bool, k: int | None) -> Jit:
     """The first token from a prefill chunk's `[1, 1, vocab]` logits, as a captured step like the others (so a warm
@@ -133,6 +134,11 @@ class Runner:
       tok = greedy(logits) if is_greedy else sample(logits, *sargs)
       return (tok if k is None else _with_logprobs(logits, tok, k)).realize()
     return self._step(f"head-{'greedy' if is_greedy else 'sample'}-{'ids' if k is None else k}", head)
+
+  def _wrote(self, token: int, pos: int) -> None:
+    """The cache row of `pos` now holds `token` (rows past it are stale). In place: generation calls it per token."""
+    del self.cached[pos:]
+    self.cached.append(token)
 
   def _check(self, n: int, start_pos: int) -> None:
     if n == 0: raise ValueError("no tokens to prefill")
@@ -170,7 +176,7 @@ class Runner:
     replay the same kernels. The token goes in as a `[1, 1]` tensor (its embedding a one-hot gather), unlike the
     generation steps' bound variable (a one-row slice): the two differ in float rounding only."""
     out = self._step("decode", lambda t, sp: self.model.forward(t, sp).realize())(Tensor([[token]], dtype=dtypes.int32), self._pos(pos))
-    self.cached = self.cached[:pos] + [token]
+    self._wrote(token, pos)
     return out
 
   def prefill(self, tokens: list[int], start_pos: int = 0, chunk: int = 64) -> Tensor:
@@ -201,7 +207,7 @@ class Runner:
     """One token at `pos` through the per-token step: the next token id `[1, 1]` (greedy, or sampled with `sampling` =
     params.tensors() + the rng state), or with `logprobs` = k the row of _with_logprobs."""
     out = self._next_step(params.greedy, logprobs)(self._tok(token), self._pos(pos), *sampling)
-    self.cached = self.cached[:pos] + [token]
+    self._wrote(token, pos)
     return out
 
   # *** generation
