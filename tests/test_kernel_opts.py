@@ -38,7 +38,7 @@ def packed(name: str, rows: int, cols: int) -> QTensor:
   qt = QTYPE_BY_NAME[name]
   return QTensor(Tensor(np.zeros((rows, cols // qt.block, qt.nbytes), np.uint8)).realize(), qt, (rows, cols))
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q4_K", "IQ2_XXS"])  # IQ2_XXS: 8 lanes (PACKED_MIN_LANES)
 def test_gemv_keeps_lanes_and_core_split_without_row_upcast(name):
   (k,) = schedulers(linear(Tensor.ones(1, 1, 1024).contiguous().realize(), packed(name, 4096, 1024)))
   theirs, ours = kernel_opts._hand_coded(k.copy()), kernel_opts.cpu_heuristic(k.copy())
@@ -46,7 +46,18 @@ def test_gemv_keeps_lanes_and_core_split_without_row_upcast(name):
   assert not any(o.op is OptOps.UPCAST for o in ours.applied_opts), ours.applied_opts
   kept = [o for o in theirs.applied_opts if o.op is not OptOps.UPCAST]
   assert ours.applied_opts[:len(kept)] == kept and all(o.op is OptOps.UNROLL for o in ours.applied_opts[len(kept):])
-  assert np.prod([ours.full_shape[a] for a in ours.axes_of(AxisType.UNROLL)]) >= kernel_opts.LANES  # the lane accumulators
+  lanes = kernel_opts.PACKED_MIN_LANES if name == "IQ2_XXS" else kernel_opts.LANES
+  assert np.prod([ours.full_shape[a] for a in ours.axes_of(AxisType.UNROLL)]) >= lanes  # the lane accumulators
+
+def test_addresses_put_the_reduce_loop_last():
+  # a + r*34 + b + 1 with r a reduce loop -> a + b + r*34 + 1 (the rewrite the CPU renderer runs, `_ADDRESSES`)
+  g, r = UOp.range(8, 1, AxisType.LOOP).cast(dtypes.int), UOp.range(128, 0, AxisType.REDUCE).cast(dtypes.int)
+  a, b = g * 4456448, UOp.range(1024, 2, AxisType.LOOP).cast(dtypes.int) * 4352
+  x = ((a + r * 34) + b) + 1
+  terms = list(graph_rewrite(x, kernel_opts._ADDRESSES).split_uop(Ops.ADD))
+  assert [kernel_opts._reduce_key(t)[0] for t in terms] == [0, 0, 1, 2], terms
+  ordered = ((a + b) + r * 34) + 1
+  assert graph_rewrite(ordered, kernel_opts._ADDRESSES) is ordered  # an ordered address is left as it is
 
 def test_gemv_unrolls_the_nibble_axis_with_the_same_sums(monkeypatch):
   rng, qt = np.random.default_rng(0), QTYPE_BY_NAME["Q4_1"]

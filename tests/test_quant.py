@@ -132,6 +132,12 @@ def test_mxfp4_every_exponent():
   with np.errstate(over="ignore"): ref = reference(qt, b)
   np.testing.assert_array_equal(dequantize(Tensor(b), qt).numpy().view(np.uint32), ref.view(np.uint32))
 
+def test_f16_every_bit_pattern():
+  # on the CPU F16 is widened with integer ops (quant._f16): every half, subnormals, infs and nans, bit for bit
+  h = np.arange(1 << 16, dtype=np.uint16)
+  got = dequantize(Tensor(h.view(np.uint8).reshape(-1, 1, 2)), QTYPE_BY_NAME["F16"]).numpy().reshape(-1)
+  np.testing.assert_array_equal(got.view(np.uint32), h.view(np.float16).astype(np.float32).view(np.uint32))
+
 def _experts(name: str, nb: int, seed: int, lead=(6, 3)):
   qt = QTYPE_BY_NAME[name]
   b = rand_blocks(qt, lead, nb, np.random.default_rng(seed))

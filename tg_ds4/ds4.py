@@ -46,7 +46,7 @@ from tg_ds4.config import Gating, RopeConfig, RopeType
 from tg_ds4.gguf import GGUFError, GGUFFile
 from tg_ds4.layers import Embedding, Linear, Param, Params, RMSNorm, load_weights
 from tg_ds4.moe import MoE
-from tg_ds4.quant import QTensor, Weight, as_tensor, dot_lanes, linear
+from tg_ds4.quant import LANES, QTensor, Weight, as_tensor, dot_lanes, linear
 from tg_ds4.rope import apply_rope, rope_table
 
 NEG = -3.4028234663852886e38  # float32 min: masked logits stay finite, so fully masked rows softmax to numbers
@@ -213,7 +213,9 @@ class HyperConn:
     B, T, hc, D = x.shape
     flat, w = x.reshape(B * T, hc * D), getattr(self, f"{self.name}_fn").weight
     if isinstance(w, QTensor) and w.qtype.name != "F32" and actquant.enabled(): return linear(rms0(flat, self.cfg.norm_eps), w), True
-    return (flat.unsqueeze(1) * as_tensor(w).expand(B * T, *w.shape).cat(flat.unsqueeze(1) / (hc * D), dim=1)).sum(-1), False
+    p = flat.unsqueeze(1) * as_tensor(w).expand(B * T, *w.shape).cat(flat.unsqueeze(1) / (hc * D), dim=1)    # [B*T, mix+1, hc*D]
+    # per row LANES partial sums, then their sum (as quant.linear's GEMV): one dependent add chain is 4x slower
+    return p.reshape(*p.shape[:-1], -1, LANES).sum(-2).sum(-1), False
 
   def head(self, x: Tensor) -> Tensor:
     """`[B, T, hc, D]` -> `[B, T, D]`: sigmoid-weighted sum of the streams."""
@@ -290,7 +292,9 @@ class Compressor:
     R, D, coff, T = self.R, self.D, self.coff, x.shape[1]
     ape = as_tensor(getattr(self, f"{self.name}_ape").weight)
     ape = ape.repeat(-(-T // R) + 1, 1)[start_pos % R:start_pos % R + T]          # ape row of each token: its position % R
-    new = getattr(self, f"{self.name}_kv")(x).cat(getattr(self, f"{self.name}_gate")(x) + ape, dim=-1)
+    # each GEMV its own kernel: a cat of the two lazy ones is one kernel running both reduces for every output (V4's
+    # F16 attn compressor at 1.0-1.4 GB/s)
+    new = getattr(self, f"{self.name}_kv")(x).contiguous().cat(getattr(self, f"{self.name}_gate")(x).contiguous() + ape, dim=-1)
     st = ring_write(self.state, new, start_pos)                                    # [1, S, 2*coff*D]: kv | score
     nb, w0, F = st.shape[1] // R, start_pos // R, coff * D
     block = lambda w: st[:, (w % nb) * R:(w % nb) * R + R]                        # the R state rows of window w
@@ -343,7 +347,7 @@ class DS4Attention:
     keys = self.idx_compressor(x, start_pos, tabs.comp)[0]                                       # [n, Di]
     q = rope_tail(self.indexer.attn_q_b(qr).reshape(B, T, cfg.idx_n_head, cfg.idx_head_dim), tabs.comp, start_pos)
     w = self.indexer.proj(x) * (cfg.idx_head_dim * cfg.idx_n_head) ** -0.5                      # [B, T, Hi]
-    score = ((q @ keys.transpose()).relu() * w.unsqueeze(-1)).sum(-2)                            # [B, T, n]
+    score = (dot_lanes(q, keys).relu() * w.unsqueeze(-1)).sum(-2)                                # [B, T, n]
     return topk_mask(score[0], ok, cfg.idx_top_k, self.idx_compressor.rows.shape[1])
 
   def __call__(self, x: Tensor, start_pos: int | UOp, tabs: Tables) -> Tensor:

@@ -31,9 +31,13 @@ from tinygrad.codegen.opt.postrange import Scheduler
 from tinygrad.dtype import dtypes
 from tinygrad.engine import worker
 from tinygrad.helpers import prod
-from tinygrad.uop.ops import AxisType, Ops, UOp
+from tinygrad.renderer.cstyle import ClangRenderer
+from tinygrad.uop.ops import AxisType, Ops, PatternMatcher, UOp, UPat
 
 LANES = 16
+# a packed format whose lane axis is shorter than LANES (IQ2_XXS: a grid row of 8) still gains from dropping the row
+# upcast: 8 accumulators per row fill a 256-bit vector (V4's IQ2_XXS experts ~2x faster, /tmp microbench)
+PACKED_MIN_LANES = 8
 GEMV_SMALL_AXIS, GEMV_MAX_UNROLL = 4, 32  # layout axes up to this size are unrolled in a GEMV, up to this many products
 
 @functools.cache
@@ -65,6 +69,7 @@ CPU = detect()  # read at each use, so a test can force another CPU kind
 UNPACK_ROWS = 16
 _hand_coded, _init_tinygrad_worker = heuristic.hand_coded_optimizations, worker._init_worker
 _tinygrad_coalescing = tinygrad.codegen.memory_coalescing
+_clang_extra = ClangRenderer.extra_matcher
 
 def _weight(k: Scheduler) -> UOp:  # the operand that streams from memory: the largest buffer
   return max(k.bufs, key=lambda b: b.src[0].max_numel() * b.src[0].dtype.itemsize)
@@ -78,7 +83,8 @@ def _lanes_first(k: Scheduler, out: Scheduler) -> Scheduler:
     for o in out.applied_opts:
       if o.op is not OptOps.UPCAST or alt.rngs[alt.real_axis(o.op, o.axis)] not in weight.src[1].get_idx().backward_slice: alt.apply_opt(o)
   except KernelOptError: return out
-  return alt if prod(alt.full_shape[a] for a in alt.axes_of(AxisType.UNROLL)) >= LANES else out
+  lanes = prod(alt.full_shape[a] for a in alt.axes_of(AxisType.UNROLL))
+  return alt if lanes >= LANES or (lanes >= PACKED_MIN_LANES and weight.src[0].dtype.itemsize == 1) else out
 
 def _unroll_lanes(k: Scheduler) -> Scheduler:
   """A GEMV's small layout axes unrolled inside the lanes (a Q4_1 block's two nibbles): the heuristic unrolls only the
@@ -188,6 +194,25 @@ def _wide_access(sink: UOp) -> UOp:
   for ld in [k for k in repl if k.op is Ops.LOAD]: del repl[ld]
   return sink.substitute(repl, name="wide accesses") if repl else sink
 
+def _reduce_key(t: UOp) -> tuple[int, ...]:
+  if t.op is Ops.CONST: return (2,)
+  ids = [u.arg[0] for u in t.toposort() if u.op is Ops.RANGE and u.arg[-1] is AxisType.REDUCE]
+  return (1, max(ids)) if ids else (0,)
+
+def _reduce_terms_last(x: UOp) -> UOp | None:
+  """An int address `a + r*s + b + c` with `r` a reduce loop and `c` a constant -> `a + b + r*s + c`. clang's SLP vectorizer joins the loads of
+  `addr+1`, `addr+2`, ... into one vector load only if it can prove them consecutive after sign extension, which LLVM's
+  reassociation of a loop-invariant term past the loop's own one breaks: the Q8_0 bytes of V4's grouped output LoRA
+  were then loaded one `vpinsrb` at a time (3x slower than the same GEMV ungrouped). Terms keep their order otherwise,
+  the inner loop's last, so nothing is reassociated."""
+  if x.dtype not in (dtypes.int, dtypes.long) or x.src[0].op is not Ops.ADD: return None
+  terms = list(x.split_uop(Ops.ADD))
+  order = sorted(terms, key=_reduce_key)
+  if order == terms: return None
+  return functools.reduce(lambda a, b: a + b, order)
+
+_ADDRESSES = PatternMatcher([(UPat(Ops.ADD, name="x"), _reduce_terms_last)])
+
 def _memory_coalescing(sink: UOp, ren) -> UOp:
   out = _tinygrad_coalescing(sink, ren)
   return _wide_access(out) if getattr(ren, "has_threads", False) and CPU.floats == 8 else out
@@ -198,3 +223,4 @@ def install():
   heuristic.hand_coded_optimizations = cpu_heuristic
   tinygrad.codegen.memory_coalescing = _memory_coalescing
   worker._init_worker = _init_worker
+  ClangRenderer.extra_matcher = _clang_extra + _ADDRESSES

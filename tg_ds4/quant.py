@@ -73,6 +73,9 @@ def _tables() -> dict[str, np.ndarray]:
   assert IQ2_XXS.grid is not None
   return {"iq2xxs_grid": IQ2_XXS.grid.reshape(256, 8).astype(np.uint8),  # entries 0x08, 0x19, 0x2b: exact in uint8
           "ksigns": np.frombuffer(IQ2_XXS.ksigns, dtype=np.uint8).copy(),
+          # as float32 rows: a code's 8 values (signs: +-1 per bit) are one vector load, no byte unpacking
+          "iq2xxs_gridf": IQ2_XXS.grid.reshape(256, 8).astype(np.float32),
+          "iq2_signs": 1 - 2 * ((np.frombuffer(IQ2_XXS.ksigns, dtype=np.uint8)[:, None] >> np.arange(8)) & 1).astype(np.float32),
           "iq4nl": np.array(IQ4_NL.kvalues, dtype=np.int8), "mxfp4": np.array(MXFP4.kvalues, dtype=np.int8)}
 _TABLES = _tables()
 
@@ -142,6 +145,17 @@ def _pick(i: Tensor, opts: list[Tensor]) -> Tensor:
 # ---------------------------------------------------------------- formats (each returns values in its layout's load order)
 
 def _native(nbytes: int, dtype: DType) -> Callable[[Packed], Tensor]: return lambda p: p.field(0, nbytes, dtype=dtype)
+
+def _f16(p: Packed) -> Tensor:
+  """F16 values. On the CPU as float32 built from the bits with integer ops (exact for every half, subnormals, inf and
+  nan included): clang converts `__fp16` one scalar at a time, which held V4's F16 compressor and router GEMVs at ~1
+  GB/s; the integer form vectorizes. Elsewhere the device's own half loads."""
+  if not str(p.blocks.device).startswith("CPU"): return p.field(0, 2, dtype=dtypes.float16)
+  h = p.field(0, 2, dtype=dtypes.uint16).cast(dtypes.uint32)
+  em = (h & 0x7FFF) << 13                                # exponent and mantissa in float32's places, exponent bias 15
+  f = (em.bitcast(dtypes.float32) * 2.0 ** 112).bitcast(dtypes.uint32)        # rebias by 2^(127-15); scales subnormals too
+  f = (em >= 0x7C00 << 13).where(em | 0x7F800000, f)     # inf, nan: all-ones exponent
+  return (f | ((h & 0x8000) << 16)).bitcast(dtypes.float32)
 
 def _bf16(p: Packed) -> Tensor:
   # bf16 is the top half of an f32: widen the raw bits and shift, exact and independent of device bf16 support
@@ -220,12 +234,10 @@ def _q6_k(p: Packed) -> Tensor:
 IQ2XXS = Layout("ib k j", ib=8, k=4, j=8)
 def _iq2_xxs(p: Packed) -> Tensor:
   half = lambda h: lambda x: x.reshape(*x.shape[:-1], 8, 2, 4)[..., h, :].flatten(-2)
-  grid = p.lookup("iq2xxs_grid", p.field(2, 64, "ib k", view=half(0), t=256), "j").cast(dtypes.float32)
+  grid = p.lookup("iq2xxs_gridf", p.field(2, 64, "ib k", view=half(0), t=256), "j")
   sidx = (p.field(2, 64, "ib", dtypes.uint32, half(1), t=128) >> p.lay.const("k", (0, 7, 14, 21), dtypes.uint32).unsqueeze(-1)) & 127
-  sign = (p.lookup("ksigns", sidx) >> p.lay.const("j", range(8))) & 1
   w = p.field(2, 64, "ib", dtypes.uint32, half(1))
-  v = (p.f16(0) * ((w >> 28).cast(dtypes.float32) + 0.5) * 0.25) * grid
-  return (sign == 1).where(-v, v)
+  return ((p.f16(0) * ((w >> 28).cast(dtypes.float32) + 0.5) * 0.25) * grid) * p.lookup("iq2_signs", sidx, "j")
 
 # IQ4_XS: d, scales_h u16, scales_l[4], qs[128]. element ib*32 + p*16 + i = d*scale(ib) * iq4nl[nibble p of qs[ib*16+i]],
 #  ib = ib1*2+ib0; 6-bit scale: nibble ib0 of scales_l[ib1], 2 high bits 2*ib of scales_h, minus 32
@@ -299,7 +311,7 @@ def _nat(name: str, id: int, dtype: DType) -> QuantType: return QuantType(name, 
 
 QTYPES: dict[int, QuantType] = {t.id: t for t in [
   _nat("F32", 0, dtypes.float32),
-  _nat("F16", 1, dtypes.float16),
+  QuantType("F16", 1, 1, 2, _f16),
   QuantType("Q4_0", 2, 32, 18, _q4_0, Q4),
   QuantType("Q4_1", 3, 32, 20, _q4_1, Q4),
   QuantType("Q5_0", 6, 32, 22, _q5_0, Q5),
@@ -459,6 +471,8 @@ def linear(x: Tensor, w: Weight, bias: Weight | None = None, dtype: DType = dtyp
       p = p.reshape(*p.shape[:li], n // wd, wd, *p.shape[li + 1:])
       p = p.permute(*(i for i in range(p.ndim) if i != li + 1), li + 1)          # the lanes last, the rest in load order
       y = p.sum(tuple(range(p.ndim - k - 1, p.ndim - 1))).sum(-1)
+  elif len(w.shape) == 2 and w.shape[-1] % LANES == 0 and isinstance(rows := prod(x.shape[:-1]), int) and rows <= LANES_MAX_ROWS:
+    y = dot_lanes(x.cast(dtype), as_tensor(w, dtype))  # a float GEMV (V4's F16 compressor, router, hyper-connections)
   else: y = x.cast(dtype) @ as_tensor(w, dtype).transpose(-1, -2)
   return y if bias is None else y + as_tensor(bias, dtype)
 
