@@ -44,7 +44,7 @@ from tinygrad.function import function
 from tg_ds4 import actquant
 from tg_ds4.config import Gating, RopeConfig, RopeType
 from tg_ds4.gguf import GGUFError, GGUFFile
-from tg_ds4.layers import Embedding, Linear, Param, Params, RMSNorm, load_weights
+from tg_ds4.layers import Embedding, Linear, Param, Params, RMSNorm, load_weights, matmul
 from tg_ds4.moe import MoE
 from tg_ds4.quant import LANES, QTensor, Weight, as_tensor, dot_lanes, linear
 from tg_ds4.rope import apply_rope, rope_table
@@ -376,7 +376,11 @@ class DS4Attention:
     o = rope_tail(o.transpose(1, 2), inv, start_pos)                                            # rotate V's RoPE back
     # materialised: left lazy, the attention output (and its inverse rope) is recomputed for every row of the GEMV
     o = o.reshape(B * T, G, H * D // G).transpose(0, 1).contiguous()                            # [G, BT, H*D/G]
-    o = linear(o, _grouped(self.attn_output_a.weight, G)).transpose(0, 1).reshape(B, T, G * cfg.o_lora_rank)
+    if B * T == 1: o = linear(o, _grouped(self.attn_output_a.weight, G)).transpose(0, 1).reshape(B, T, G * cfg.o_lora_rank)
+    else:  # a chunk: a GEMM per group on its rows dequantized once (as layers.Linear), joined in [B, T, G * rank] order so
+      # that attn_output_b's reduce is one axis (the GEMM kernel opts need that; 0.86 -> 0.2 s a layer, V4-Flash-shaped)
+      w, R = self.attn_output_a.weight, cfg.o_lora_rank
+      o = Tensor.cat(*[matmul(o[g], w[g * R:(g + 1) * R]).contiguous() for g in range(G)], dim=-1).reshape(B, T, G * R).contiguous()
     return self.attn_output_b(o)
 
 # ---------------------------------------------------------------- MoE
@@ -422,10 +426,13 @@ class DS4Block:
     self.ffn = DS4MoE(cfg, i, has_bias=cfg.expert_bias[i])
 
   def __call__(self, x: Tensor, tokens: Tensor | UOp, start_pos: int | UOp, tabs: Tables) -> Tensor:
+    # over a chunk each sublayer's output is materialised: left lazy, hc_post fuses it into the streams' kernel, which
+    # recomputes the output projection (a whole GEMM) once per stream (V4-Flash-shaped chunk: 1.65 s per shared expert)
+    done = (lambda y: y.contiguous()) if x.shape[0] * x.shape[1] > 1 else (lambda y: y)
     h, post, comb = self.hc_attn(x)
-    x = hc_post(self.attn(self.attn_norm(h), start_pos, tabs), x, post, comb)
+    x = hc_post(done(self.attn(self.attn_norm(h), start_pos, tabs)), x, post, comb)
     h, post, comb = self.hc_ffn(x)
-    return hc_post(self.ffn(self.ffn_norm(h), tokens), x, post, comb).contiguous()  # one barrier per block, as model.Block
+    return hc_post(done(self.ffn(self.ffn_norm(h), tokens)), x, post, comb).contiguous()  # one barrier per block, as model.Block
 
 class DS4Transformer:
   """The deepseek4 model (arch.Model). Unlike model.Transformer's row-per-position caches, the rings only let a new run

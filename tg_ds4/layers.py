@@ -41,11 +41,14 @@ class Linear:
     """One token: the fused dequant GEMV (reads only packed bytes). Several tokens (a prefill chunk): the fused kernel
     would unpack every weight once per token, so the weight is dequantized once into a float32 buffer and the chunk
     is a plain GEMM (2.7x faster on a 32-token chunk of qwen2.5's Q5_0 ffn_gate)."""
-    w = self.weight
-    if isinstance(w, QTensor) and w.qtype.quantized and prod(x.shape[:-1]) > 1 and prod(w.shape) * 4 <= self.HOIST_MAX_BYTES:
-      # stored [in, out]: the GEMM holds a vector of outputs per weight load (see kernel_opts)
-      return linear(round_activations(x, w.qtype.name), w.dequant(dtypes.float32).T.contiguous().T, self.bias)
-    return linear(x, w, self.bias)
+    return matmul(x, self.weight, self.bias)
+
+def matmul(x: Tensor, w: Weight, bias: Weight | None = None) -> Tensor:
+  """What `Linear` computes, for a weight held elsewhere (a group of rows of a bigger one)."""
+  if isinstance(w, QTensor) and w.qtype.quantized and prod(x.shape[:-1]) > 1 and prod(w.shape) * 4 <= Linear.HOIST_MAX_BYTES:
+    # stored [in, out]: the GEMM holds a vector of outputs per weight load (see kernel_opts)
+    return linear(round_activations(x, w.qtype.name), w.dequant(dtypes.float32).T.contiguous().T, bias)
+  return linear(x, w, bias)
 
 def fusable(*parts: Linear) -> bool:
   """The weights of `parts` are one kind (one packed format or one dtype, one input width, 2-D, all with or all
