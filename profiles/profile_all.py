@@ -7,6 +7,9 @@ Each model runs in its own process (`python -m tg_ds4 profile`), so one model's 
 affect the next. Timings depend on what else the machine is doing: run it on an idle machine."""
 import json, pathlib, subprocess, sys
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from tg_ds4.registry import cache_dir  # noqa: E402
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures"
 TARGETS = {
@@ -16,6 +19,8 @@ TARGETS = {
   "ds3k-Q4_K_M": FIX / "deepseek2/ds3k/ds3k-Q4_K_M.gguf",
 }
 TARGETS.update({f"ds4-{p.stem}": p for p in sorted((FIX / "deepseek4").glob("*/*.gguf"))})  # V4 fixtures, when present
+# the real-shape 4-layer files of profiles/make_bench_model.py, when they have been made (never in the repository)
+TARGETS.update({f"bench-{p.stem}": p for p in sorted((cache_dir() / "bench").glob("*-4L-*.gguf"))})
 EXTRA_ARGS = {"smollm2-beam2": ["--beam", "2"]}  # the same model with BEAM-tuned kernels (a first run searches for minutes)
 TARGETS["smollm2-beam2"] = "smollm2"
 
