@@ -46,7 +46,7 @@ from tg_ds4.config import Gating, RopeConfig, RopeType
 from tg_ds4.gguf import GGUFError, GGUFFile
 from tg_ds4.layers import Embedding, Linear, Param, Params, RMSNorm, load_weights, matmul
 from tg_ds4.moe import MoE
-from tg_ds4.quant import LANES, QTensor, Weight, as_tensor, dot_lanes, linear
+from tg_ds4.quant import QTensor, Weight, as_tensor, dot_lanes, linear
 from tg_ds4.rope import apply_rope, rope_table
 
 NEG = -3.4028234663852886e38  # float32 min: masked logits stay finite, so fully masked rows softmax to numbers
@@ -213,9 +213,8 @@ class HyperConn:
     B, T, hc, D = x.shape
     flat, w = x.reshape(B * T, hc * D), getattr(self, f"{self.name}_fn").weight
     if isinstance(w, QTensor) and w.qtype.name != "F32" and actquant.enabled(): return linear(rms0(flat, self.cfg.norm_eps), w), True
-    p = flat.unsqueeze(1) * as_tensor(w).expand(B * T, *w.shape).cat(flat.unsqueeze(1) / (hc * D), dim=1)    # [B*T, mix+1, hc*D]
-    # per row LANES partial sums, then their sum (as quant.linear's GEMV): one dependent add chain is 4x slower
-    return p.reshape(*p.shape[:-1], -1, LANES).sum(-2).sum(-1), False
+    rows = as_tensor(w).expand(B * T, *w.shape).cat(flat.unsqueeze(1) / (hc * D), dim=1)          # [B*T, mix+1, hc*D]
+    return dot_lanes(flat.unsqueeze(1), rows).squeeze(1), False
 
   def head(self, x: Tensor) -> Tensor:
     """`[B, T, hc, D]` -> `[B, T, D]`: sigmoid-weighted sum of the streams."""

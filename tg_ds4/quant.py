@@ -71,10 +71,9 @@ def _tables() -> dict[str, np.ndarray]:
   from gguf.quants import IQ2_XXS, IQ4_NL, MXFP4
   IQ2_XXS.init_grid()
   assert IQ2_XXS.grid is not None
-  return {"iq2xxs_grid": IQ2_XXS.grid.reshape(256, 8).astype(np.uint8),  # entries 0x08, 0x19, 0x2b: exact in uint8
-          "ksigns": np.frombuffer(IQ2_XXS.ksigns, dtype=np.uint8).copy(),
-          # as float32 rows: a code's 8 values (signs: +-1 per bit) are one vector load, no byte unpacking
-          "iq2xxs_gridf": IQ2_XXS.grid.reshape(256, 8).astype(np.float32),
+  # IQ2_XXS as float32 rows (grid entries 0x08, 0x19, 0x2b are exact; signs +-1 per bit of ksigns): a code's 8 values
+  # are one vector load, no byte unpacking
+  return {"iq2xxs_gridf": IQ2_XXS.grid.reshape(256, 8).astype(np.float32),
           "iq2_signs": 1 - 2 * ((np.frombuffer(IQ2_XXS.ksigns, dtype=np.uint8)[:, None] >> np.arange(8)) & 1).astype(np.float32),
           "iq4nl": np.array(IQ4_NL.kvalues, dtype=np.int8), "mxfp4": np.array(MXFP4.kvalues, dtype=np.int8)}
 _TABLES = _tables()
