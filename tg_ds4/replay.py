@@ -25,6 +25,10 @@ from tg_ds4.stepcache import StepCache
 
 log = logging.getLogger("tg_ds4")
 
+def engine_threads() -> int:
+  """Threads a replayed CPU step runs on (the roofline in `bench` and `profile` is measured with as many)."""
+  return int(os.environ.get("TG_DS4_THREADS", NUM_CPU_THREADS.value))
+
 class _Op(ctypes.Structure):  # op_t in cpu_runner.c
   _fields_ = [("fn", ctypes.c_void_p), ("nargs", ctypes.c_int32), ("parts", ctypes.c_int32), ("core_slot", ctypes.c_int32),
               ("_pad", ctypes.c_int32), ("args", ctypes.c_uint64 * MAX_ARGS), ("slot", ctypes.c_int16 * MAX_ARGS)]
@@ -119,7 +123,7 @@ class FastCPUReplay(CapturedJit):
     if DEBUG >= 2 or PROFILE: return super().__call__(input_uops, var_vals)
     concrete = tuple(_copy_input(u) if u in self._written_uops else u for u in input_uops)
     if (plan := self.__dict__.get("_plan_cache")) is None: plan = self.__dict__["_plan_cache"] = self._plan()
-    threads, ctx = int(os.environ.get("TG_DS4_THREADS", NUM_CPU_THREADS.value)), None
+    threads, ctx = engine_threads(), None
     for seg in plan:
       if not isinstance(seg, _Segment):  # anything else: tinygrad's own executor, with its statistics
         ctx = ctx or ExecContext(var_vals, concrete, True, True)
