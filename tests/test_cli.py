@@ -1,7 +1,10 @@
 """Command-line contract: bad input is one line on stderr and exit status 2; generate streams only generated text."""
-import subprocess, sys
+import pathlib, subprocess, sys
 
 import pytest
+
+FIX = pathlib.Path(__file__).parent / "fixtures"
+DS3, DS4 = str(FIX / "deepseek2/ds3/ds3-Q4_0.gguf"), str(FIX / "deepseek4/flash/flash-IQ2_XXS.gguf")
 
 def tg(*args, timeout=600):
   return subprocess.run([sys.executable, "-m", "tg_ds4", *args], capture_output=True, text=True, timeout=timeout)
@@ -13,6 +16,15 @@ def tg(*args, timeout=600):
   (["generate", "-m", "smollm2", "-p", "hi", "--temperature", "-1"], "temperature must be >= 0"),
   (["generate", "-m", "smollm2", "-p", "word " * 40, "--max-context", "16"], "the context holds 16"),
   (["logits", "-m", "smollm2", "--tokens", "1,x"], "comma-separated integers"),
+  (["generate", "-m", DS3, "-p", "hi", "-n", "0"], "-n/--n-predict must be at least 1, got 0"),
+  (["generate", "-m", DS3, "-p", "hi", "-n", "-3"], "-n/--n-predict must be at least 1, got -3"),
+  (["chat", "-m", DS3, "-n", "0"], "-n/--n-predict must be at least 1"),
+  (["logits", "-m", DS3, "--max-context", "2", "--tokens", "1,2,3"], "--tokens has 3 tokens; --max-context 2"),
+  (["logits", "-m", DS3, "--tokens", "1,512"], "token ids [512] are outside the vocabulary [0, 512)"),
+  (["generate", "-m", DS3, "-p", "hi", "--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
+  (["generate", "-m", DS3, "-p", "hi", "--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
+  (["generate", "-m", str(FIX), "-p", "hi"], "is a directory, expected a .gguf file"),
+  (["serve", "-m", DS4, "--kv-cache-dir", "unused-kv-dir", "--port", "1"], "is a deepseek4 model, whose caches"),
 ])
 def test_bad_input_is_one_line_exit_2(args, msg):
   r = tg(*args)

@@ -40,6 +40,8 @@ def cmd_logits(args) -> int:
   try: tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
   except ValueError: raise UsageError(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
   if not tokens: raise UsageError("--tokens is empty")
+  if args.max_context and len(tokens) > args.max_context:
+    raise UsageError(f"--tokens has {len(tokens)} tokens; --max-context {args.max_context} holds fewer")
   runner = Runner.load(resolve(args.model), max_ctx=args.max_context or len(tokens))
   if bad := [t for t in tokens if not 0 <= t < runner.model.cfg.n_vocab]:
     raise UsageError(f"token ids {bad[:5]} are outside the vocabulary [0, {runner.model.cfg.n_vocab})")
@@ -73,9 +75,13 @@ def _stream(runner, tok, ids, args, sp, out=sys.stdout) -> list[int]:
   out.write(dec.flush()); out.flush()
   return got
 
+def _n_predict(args) -> None:
+  if args.n_predict < 1: raise UsageError(f"-n/--n-predict must be at least 1, got {args.n_predict}")
+
 def cmd_generate(args) -> int:
   from tg_ds4.chat import Template
   if not args.prompt: raise UsageError("the prompt is empty (-p TEXT)")
+  _n_predict(args)
   sp = _sampling(args)
   gf, runner, tok = _load(args)
   template = Template.from_gguf(gf) if args.chat else None
@@ -98,6 +104,7 @@ def cmd_tokenize(args) -> int:
 
 def cmd_chat(args) -> int:
   from tg_ds4.chat import Template, assistant_message
+  _n_predict(args)
   sp = _sampling(args)
   gf, runner, tok = _load(args)
   template, messages, max_ctx = Template.from_gguf(gf), [], runner.model.max_ctx
@@ -165,6 +172,14 @@ def cmd_serve(args) -> int:
   if min(args.max_queue, args.max_body_bytes, args.max_json_depth, args.max_connections, args.max_parsing) < 1:
     raise UsageError("--max-queue, --max-body-bytes, --max-json-depth, --max-connections, --max-parsing: >= 1")
   if not (args.head_timeout > 0 and args.body_timeout > 0): raise UsageError("--head-timeout, --body-timeout: > 0 seconds")
+  if args.kv_cache_dir:
+    from tg_ds4.arch import ARCHS
+    from tg_ds4.gguf import GGUFFile
+    from tg_ds4.registry import resolve
+    gf = GGUFFile(resolve(args.model))
+    if (a := ARCHS.get(gf.arch)) is not None and not a.model.PREFIX_ROWS:
+      raise UsageError(f"--kv-cache-dir: {gf.path.name} is a {gf.arch} model, whose caches (rings and compressor state) cannot be saved "
+                       f"as a prefix's rows; serve it without --kv-cache-dir (prefixes are still reused in memory)")
   return serve(args)
 
 def cmd_models(args) -> int:

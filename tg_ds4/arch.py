@@ -24,6 +24,7 @@ class Model(Protocol):
   PREFILL_CHUNK: int                # the most tokens one prefill step writes (the caches' slack past max_ctx)
   MAX_FORWARD_TOKENS: int | None    # the most tokens one forward takes; None: any
   max_rewind: int | None            # a run may start at most this far before the furthest row written; None: anywhere
+  PREFIX_ROWS: bool                 # cache_tensors() exists: a prefix's cache rows can be saved (serve --kv-cache-dir)
 
   def forward(self, tokens: Tensor | UOp, start_pos: int | UOp, last_only: bool = False, select: Tensor | None = None) -> Tensor:
     """tokens `[1, T]` (or one token as a bound variable) at positions start_pos.. -> logits `[1, T, vocab]`; the

@@ -441,6 +441,7 @@ class DS4Transformer:
   PREFILL_CHUNKS = (PREFILL_CHUNK,)
   MAX_FORWARD_TOKENS: int | None = PREFILL_CHUNK
   max_rewind: int | None = PREFILL_CHUNK
+  PREFIX_ROWS = False  # see cache_tensors
 
   def __init__(self, cfg: DS4Config):
     self.cfg = cfg

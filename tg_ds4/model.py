@@ -54,6 +54,7 @@ class Transformer:
   PREFILL_CHUNKS = (32, 64, 128)
   PREFILL_CHUNK = PREFILL_CHUNKS[-1]  # the most tokens one chunk writes: the cache's slack rows past max_ctx
   MAX_FORWARD_TOKENS: int | None = None  # a forward takes any number of tokens
+  PREFIX_ROWS = True
   max_rewind: int | None = None          # a run may start at any cached position
 
   def __init__(self, cfg: ModelConfig):
