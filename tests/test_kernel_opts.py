@@ -13,8 +13,6 @@ from tinygrad.uop.ops import AxisType, Ops, UOp, graph_rewrite
 from tg_ds4 import kernel_opts
 from tg_ds4.quant import QTYPE_BY_NAME, QTensor, linear
 
-pytestmark = pytest.mark.skipif(not getattr(Device[Device.DEFAULT].renderer, "has_threads", False), reason="CPU renderers only")
-
 def kernel_sinks(t: Tensor) -> list[UOp]:
   """The kernel ASTs of `t`'s schedule (one call per tensor: scheduling assigns its buffers)."""
   return [c.src[0] for c in t.linear_with_vars()[0].src if c.op is Ops.CALL and c.src[0].op is Ops.SINK]

@@ -1,7 +1,7 @@
 """The persistent KV cache directory against damage and hostility: a flipped header byte, headers of the wrong types
 under a valid checksum, a FIFO, symlinks out of the directory, other models' and foreign files at eviction, failed and
 interrupted writes, and saved prefixes the engine cannot take (through the worker's reuse path, on a fake engine)."""
-import hashlib, json, logging, os, shutil, struct, subprocess, sys, threading
+import hashlib, json, logging, os, shutil, struct, subprocess, sys, threading, time
 
 import numpy as np
 import pytest
@@ -219,3 +219,32 @@ def test_saved_rows_that_do_not_fit_the_engine_are_dropped(tmp_path, warnings_lo
   assert not f.exists() and s.wants(_toks(0))  # ours and useless: deleted, so the next answer saves it anew
   eng = FakeRunner(cached=_toks(0)[:5])
   assert _worker(eng, s)._reuse(_toks(0) + [999]) == 5  # nothing on disk any more: the memory prefix
+
+def test_kvstore_roundtrip_lookup_and_lru(tmp_path):
+  s = KVStore(tmp_path, "model-A", 1 << 20, 4)
+  s.save(list(range(30)), _rows(30)); s.flush()
+  e, n = s.lookup(list(range(20)) + [99])
+  assert n == 20 and np.array_equal(s.load(e)["blk.0.attn.cache"], _rows(30)[0][1])
+  assert not s.wants(list(range(30))) and not s.wants([1, 2]) and s.wants(list(range(31)))
+  assert [p.name for p in tmp_path.iterdir()] == [tokens_key(list(range(30))) + ".kv"]  # no temp file left behind
+  size = next(tmp_path.iterdir()).stat().st_size
+  s = KVStore(tmp_path, "model-A", int(size * 2.5), 4)  # room for two
+  s.save(list(range(100, 130)), _rows(30, 1)); s.flush()
+  time.sleep(0.02); s.load(s.lookup(list(range(30)))[0])  # the first file becomes the most recently used
+  time.sleep(0.02); s.save(list(range(200, 230)), _rows(30, 2)); s.flush()
+  assert sorted(p.stem for p in tmp_path.iterdir()) == sorted(tokens_key(t) for t in (list(range(30)), list(range(200, 230))))
+
+def test_kvstore_ignores_truncated_foreign_and_corrupt_files(tmp_path, caplog):
+  s = KVStore(tmp_path, "model-A", 1 << 20, 4)
+  for i in range(3): s.save(list(range(i, 40 + i)), _rows(40, i))
+  s.flush()
+  files = sorted(tmp_path.iterdir())
+  assert len(files) == 3
+  assert KVStore(tmp_path, "model-B", 1 << 20, 4).lookup(list(range(40)))[0] is None  # another model's files are not used (nor deleted)
+  files[0].write_bytes(files[0].read_bytes()[:-100])  # truncated
+  data = bytearray(files[1].read_bytes()); data[-200] ^= 1; files[1].write_bytes(bytes(data))  # corrupted payload
+  caplog.set_level("WARNING", "tg_ds4.server")
+  s = KVStore(tmp_path, "model-A", 1 << 20, 4)
+  assert len(s.index) == 2 and "truncated" in caplog.text  # seen at start-up from the size alone
+  loaded = {p.name: s.load(e) is not None for p, e in ((e.path, e) for e in list(s.index.values()))}
+  assert loaded == {files[1].name: False, files[2].name: True} and "checksum mismatch" in caplog.text and not files[1].exists()

@@ -18,7 +18,7 @@ from tg_ds4.layers import packed_weights
 from tg_ds4.model import Transformer
 
 ROOT = pathlib.Path(__file__).parent / "fixtures" / "deepseek2"
-FAMILIES = sorted(p.name for p in ROOT.iterdir() if (p / "manifest.json").exists())
+FAMILIES = ["ds2lite", "ds3", "ds3k", "glm", "youtu"]  # a missing manifest fails the run (never a silently smaller suite)
 
 @functools.cache
 def manifest(fam: str) -> dict: return json.loads((ROOT / fam / "manifest.json").read_text())

@@ -4,7 +4,7 @@ import pathlib
 
 import numpy as np
 import pytest
-from tinygrad import Device, GlobalCounters
+from tinygrad import GlobalCounters
 
 from tg_ds4.runner import Runner
 from tg_ds4.replay import FastCPUReplay
@@ -23,7 +23,6 @@ def steps(path, fast: bool, monkeypatch, n: int = 40):
   assert (type(m._jits["decode"].captured) is FastCPUReplay) == fast
   return out
 
-@pytest.mark.skipif(Device.DEFAULT != "CPU", reason="the fast replay is for tinygrad's CPU device")
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
 def test_fast_replay_equals_tinygrad(path, monkeypatch):
   slow, fast = steps(path, False, monkeypatch), steps(path, True, monkeypatch)
@@ -32,7 +31,6 @@ def test_fast_replay_equals_tinygrad(path, monkeypatch):
     # position 0 is tinygrad's uncaptured first run, which can reuse process-wide tables the first model built
     assert i == 0 or (ka, ma) == (kb, mb), f"position {i}: counters {ka, ma} != {kb, mb}"
 
-@pytest.mark.skipif(Device.DEFAULT != "CPU", reason="the fast replay is for tinygrad's CPU device")
 def test_engine_generates_the_same(monkeypatch):
   path, toks = FILES[0], []
   for fast in (False, True):
@@ -41,7 +39,6 @@ def test_engine_generates_the_same(monkeypatch):
     toks.append(list(e.generate([1, 5, 9, 13], 24)) + list(e.generate([2, 4], 8, SamplingParams(temperature=0.8, seed=3))))
   assert toks[0] == toks[1]
 
-@pytest.mark.skipif(Device.DEFAULT != "CPU", reason="the fast replay is for tinygrad's CPU device")
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
 def test_argument_addresses_equal_tinygrads(path):
   """The replay computes the memory plan's views' addresses itself (no view Buffers built): each equals tinygrad's."""
