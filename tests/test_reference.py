@@ -49,8 +49,11 @@ def file_formats(path) -> Transformer:
 
 @functools.cache
 def run(fam: str, q: str, twin: bool = False, llama_cpp: bool = False) -> dict:
-  """Everything the tests compare, computed once per file: prefill logits over the prompt, decode-mode logits over
-  the prompt (one token at a time through the TinyJit step) continued greedily for n_gen tokens."""
+  """Everything the tests compare, computed once per file: prefill logits over the prompt; decode-mode logits over
+  the prompt (one token at a time through the TinyJit step) continued greedily for n_gen tokens; and the production
+  path: `engine_logits` over the prompt and the reference's continuation (the first ENGINE_K tokens through a padded
+  captured prefill chunk, the rest through the greedy per-token step), `generate`'s greedy ids, and a second turn
+  resumed at start_pos > 0 after a shorter first one."""
   man = manifest(fam)
   path, ids, n_gen = ROOT / fam / man["ggufs"][q]["file"], man["token_ids"], man["n_gen"]
   load = lambda: dequantized_twin(file_formats(path)) if twin else \
@@ -61,19 +64,49 @@ def run(fam: str, q: str, twin: bool = False, llama_cpp: bool = False) -> dict:
     tok = ids[i] if i < len(ids) else greedy[-1]
     steps.append(m.decode(tok, i).numpy()[0, 0])
     if i >= len(ids) - 1 and len(greedy) < n_gen: greedy.append(int(steps[-1].argmax()))
-  return {"prefill": prefill, "decode": np.stack(steps[:len(ids)]), "greedy": greedy, "gen_logits": np.stack(steps[len(ids) - 1:-1])}
+  out = {"prefill": prefill, "decode": np.stack(steps[:len(ids)]), "greedy": greedy, "gen_logits": np.stack(steps[len(ids) - 1:-1])}
+  if twin or llama_cpp: return out
+  g = man["ggufs"][q]
+  ref_ids = man["hf_greedy_ids"] if q == "F32" else g["hf_greedy_ids"]
+  e = load()
+  out["engine"] = e.engine_logits(ids + ref_ids[:-1], prefill_tokens=ENGINE_K)  # rows ENGINE_K-1 .. len(ids)+n_gen-2
+  out["engine_greedy"] = list(e.generate(ids, n_gen))
+  list(e.generate(ids[:RESUME_AT], 3))  # a first, shorter turn, then the full prompt resumed past the common prefix
+  start = e.reusable(ids)
+  out["resumed_greedy"], out["resumed_at"] = list(e.generate(ids, n_gen, start_pos=start)), start
+  return out
+
+ENGINE_K, RESUME_AT = 20, 14  # a 32-token chunk padded past 20 tokens; the resumed tail of 18 tokens is a padded chunk too
+
+def reference_rows(fam: str, q: str) -> np.ndarray:
+  """The reference logits of positions 0 .. len(ids)+n_gen-2 (the prompt, then the greedy continuation's inputs):
+  transformers for F32 files, transformers on the file's dequantized weights for quantized ones."""
+  g = manifest(fam)["ggufs"][q]
+  name = "logits_hf.npy" if q == "F32" else g["logits_hfdq"]
+  return np.concatenate([np.load(ROOT / fam / name), np.load(ROOT / fam / ("gen_" + name))[1:]])
 
 @pytest.mark.parametrize("fam,q", F32_FILES)
 def test_f32_matches_transformers(fam, q):
   hf, r = np.load(ROOT / fam / "logits_hf.npy"), run(fam, q)
   print(f"\n{fam} F32 vs transformers: prefill {rel(r['prefill'], hf):.2e}, decode {rel(r['decode'], hf):.2e} (max|d| / max|logit|)")
-  assert rel(r["prefill"], hf) <= 1e-3 and rel(r["decode"], hf) <= 1e-3
+  # measured 6.4e-7 .. 9.3e-6 (glm; llama.cpp's F32 run sits 9.3e-6 from transformers there too)
+  assert rel(r["prefill"], hf) <= 2e-5 and rel(r["decode"], hf) <= 2e-5
   assert r["greedy"] == manifest(fam)["hf_greedy_ids"], "greedy continuation differs from transformers'"
+
+@pytest.mark.parametrize("fam,q", FILES)
+def test_engine_path_matches_the_reference(fam, q):
+  """What generation runs, against transformers (F32) or transformers on the dequantized weights (quantized files):
+  the captured prefill chunk and per-token step's logits, `generate`'s greedy ids, and a resumed second turn's."""
+  g, r = manifest(fam)["ggufs"][q], run(fam, q)
+  ref, want = reference_rows(fam, q)[ENGINE_K - 1:], manifest(fam)["hf_greedy_ids"] if q == "F32" else g["hf_greedy_ids"]
+  print(f"\n{fam} {q}: engine path vs reference {rel(r['engine'], ref):.2e} over {len(ref)} rows; resumed at {r['resumed_at']}")
+  assert r["engine"].shape == ref.shape and rel(r["engine"], ref) <= (2e-5 if q == "F32" else 5e-5)
+  assert r["engine_greedy"] == want and r["resumed_greedy"] == want and r["resumed_at"] == RESUME_AT
 
 @pytest.mark.parametrize("fam,q", FILES)
 def test_decode_matches_prefill(fam, q):
   r = run(fam, q)
-  assert rel(r["decode"], r["prefill"]) <= 1e-4, f"{fam} {q}: decode vs prefill {rel(r['decode'], r['prefill']):.2e}"
+  assert rel(r["decode"], r["prefill"]) <= 2e-5, f"{fam} {q}: decode vs prefill {rel(r['decode'], r['prefill']):.2e}"
 
 @pytest.mark.parametrize("fam,q", QUANT_FILES)
 def test_packed_equals_dequantized_weights(fam, q):
@@ -87,7 +120,7 @@ def test_quantized_matches_transformers_on_same_weights(fam, q):
   g, r = manifest(fam)["ggufs"][q], run(fam, q)
   hfdq = np.load(ROOT / fam / g["logits_hfdq"])
   print(f"\n{fam} {q} vs transformers on the dequantized weights: {rel(r['prefill'], hfdq):.2e}")
-  assert rel(r["prefill"], hfdq) <= 1e-3
+  assert rel(r["prefill"], hfdq) <= 5e-5 and rel(r["decode"], hfdq) <= 5e-5  # measured 5.8e-7 .. 1.2e-5 (glm Q4_0)
   assert r["greedy"] == g["hf_greedy_ids"], "greedy continuation differs from transformers' on the same weights"
 
 # A greedy step is compared with llama.cpp only while llama.cpp's own top-2 margin is at least NEAR_TIE. With 8-bit
@@ -113,11 +146,12 @@ def test_quantized_vs_llama_cpp(fam, q):
   assert agree >= 0.95 and np.abs(r["prefill"] - ll).max() <= 0.15
   assert r["greedy"][:n] == g["greedy_ids"][:n]
 
-def test_rounding_noise_exceeds_near_tie():
-  """The evidence for NEAR_TIE: with llama.cpp's 8-bit activation rounding, tg_ds4's decode (GEMV) and prefill (GEMM)
-  compute the same math in different summation orders, and their logits still differ by more than 2 * NEAR_TIE on
-  some quantized file (while exact math keeps them within 1e-4, test_decode_matches_prefill)."""
+def test_rounding_noise_under_llama_cpp_activations():
+  """A measurement, printed (the evidence for NEAR_TIE): with llama.cpp's 8-bit activation rounding, decode (GEMV) and
+  prefill (GEMM) compute the same math in different summation orders and still move logits by a few hundredths on
+  some quantized files, against ~1e-6 in exact math (test_decode_matches_prefill). Asserted: only that it stays
+  within test_quantized_vs_llama_cpp's 0.15."""
   noise = {f"{fam} {q}": float(np.abs(run(fam, q, llama_cpp=True)["decode"] - run(fam, q, llama_cpp=True)["prefill"]).max())
            for fam, q in QUANT_FILES}
   print("\ndecode vs prefill under llama.cpp rounding: " + ", ".join(f"{k} {v:.1e}" for k, v in noise.items()))
-  assert max(noise.values()) > 2 * NEAR_TIE
+  assert max(noise.values()) <= 0.15

@@ -45,7 +45,10 @@ def cmd_logits(args) -> int:
   runner = Runner.load(resolve(args.model), max_ctx=args.max_context or len(tokens))
   if bad := [t for t in tokens if not 0 <= t < runner.model.cfg.n_vocab]:
     raise UsageError(f"token ids {bad[:5]} are outside the vocabulary [0, {runner.model.cfg.n_vocab})")
+  if args.prefill_tokens is not None and (args.mode != "engine" or not 0 <= args.prefill_tokens <= len(tokens)):
+    raise UsageError(f"--prefill-tokens goes with --mode engine and is in [0, {len(tokens)}] (the number of --tokens)")
   if args.mode == "prefill": logits = runner.prefill(tokens, chunk=len(tokens)).numpy()[0]
+  elif args.mode == "engine": logits = runner.engine_logits(tokens, args.prefill_tokens)
   else: logits = np.stack([runner.decode(t, i).numpy()[0, 0] for i, t in enumerate(tokens)])
   logits = logits.astype(np.float32)
   if args.out: np.save(args.out, logits)
@@ -216,7 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
   s = sub.add_parser("logits", help="float32 logits [n_tokens, vocab] for a token-id sequence (the correctness probe)")
   s.add_argument("-m", "--model", required=True, help="path to a .gguf file or a short model name")
   s.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 1,2,3")
-  s.add_argument("--mode", choices=["prefill", "decode"], default="prefill", help="one forward over all tokens, or one token at a time")
+  s.add_argument("--mode", choices=["prefill", "decode", "engine"], default="prefill",
+                 help="one forward over all tokens; one token at a time; or as generation runs: the first K tokens through its "
+                      "captured prefill chunks, the rest through its per-token step (rows K-1..n-1)")
+  s.add_argument("--prefill-tokens", type=int, metavar="K", help="--mode engine: K (default: what generate would prefill in chunks)")
   s.add_argument("--out", metavar="F.npy", help="write the logits here")
   s.add_argument("--max-context", type=int, default=0, help="KV cache length (default: the number of tokens)")
   s.set_defaults(fn=cmd_logits)

@@ -6,7 +6,8 @@ of that file and these settings. The steps, each a replay.Jit captured on first 
   * `prefill-{C}`: a chunk of C tokens -> the logits of one selected position; `chunk-{C}`: all C positions (models
     whose forward takes at most C tokens);
   * `greedy`, `sample`, `logprobs-*`: one token -> the next token id (and log-probabilities), sampled on the device, so
-    the only per-token host traffic is the 4-byte id being streamed out and back in;
+    the only per-token host traffic is the 4-byte id being streamed out and back in; the step's logits stay on the
+    device as a second output (the head writes them to a buffer either way), which `engine_logits` reads;
   * `head-*`: the first token from a prefill chunk's logits.
 
 Generation prefills the prompt in chunks, then runs one step per token. A short prompt tail (at most FEED_TOKENS) goes
@@ -116,14 +117,17 @@ class Runner:
     return j
 
   def _next_step(self, is_greedy: bool, k: int | None) -> Jit:
-    """One token -> the next token id `[1, 1]`, or with k logprobs the `[1, 2 + 2k]` row of _with_logprobs."""
+    """One token -> (the next token id `[1, 1]`, or with k logprobs the `[1, 2 + 2k]` row of _with_logprobs; the logits
+    `[1, vocab]` it was chosen from)."""
     kind = "greedy" if is_greedy else "sample"
     if (j := self._jits.get(name := kind if k is None else f"logprobs-{kind}-{k}")) is not None: return j  # per token: no new closure
     m = self.model
     def step(tok, sp, *sargs):
       logits = m.forward(tok, sp, last_only=True)[:, -1]
       nxt = greedy(logits) if is_greedy else sample(logits, *sargs)
-      return (nxt if k is None else _with_logprobs(logits, nxt, k)).realize()
+      out = nxt if k is None else _with_logprobs(logits, nxt, k)
+      Tensor.realize(out, logits)
+      return out, logits
     return self._step(name, step)
 
   def _head(self, is_greedy: bool, k: int | None) -> Jit:
@@ -206,9 +210,27 @@ class Runner:
   def next_token(self, token: int, pos: int, params: SamplingParams = GREEDY, sampling: tuple = (), logprobs: int | None = None) -> Tensor:
     """One token at `pos` through the per-token step: the next token id `[1, 1]` (greedy, or sampled with `sampling` =
     params.tensors() + the rng state), or with `logprobs` = k the row of _with_logprobs."""
-    out = self._next_step(params.greedy, logprobs)(self._tok(token), self._pos(pos), *sampling)
+    out, _ = self._next_step(params.greedy, logprobs)(self._tok(token), self._pos(pos), *sampling)
     self._wrote(token, pos)
     return out
+
+  def engine_logits(self, tokens: list[int], prefill_tokens: int | None = None) -> np.ndarray:
+    """Logits `[n - K + 1, vocab]` of positions K-1..n-1 (all n rows when K = 0) the way generation computes them: the
+    first K tokens through the captured prefill chunks generation uses (its chunk sizes, the last padded; the logits of
+    position K-1 are the chunk's selected row), the rest one at a time through the greedy per-token step. K defaults
+    to what `generate` would prefill in chunks for this prompt."""
+    n = len(tokens)
+    K = n - self._plan(n, FEED_TOKENS)[1] if prefill_tokens is None else prefill_tokens
+    if not 0 <= K <= n: raise ValueError(f"prefill tokens {K} must be in [0, {n}]")
+    self._check(n, 0)
+    rows = []
+    if K: rows.append(self._prefill_chunks(tokens[:K], 0, self._plan(K, 0)[0]).numpy()[0, -1])
+    self.cached = list(tokens[:K])
+    step = self._next_step(True, None)
+    for p in range(K, n):
+      rows.append(step(self._tok(tokens[p]), self._pos(p))[1].numpy()[0])
+      self._wrote(tokens[p], p)
+    return np.stack(rows).astype(np.float32)
 
   # *** generation
 
