@@ -154,8 +154,9 @@ def test_openai_client_chat_stream_and_logprobs(server):
   assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
   assert chunks[-1].usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens - 1  # the same prompt again: all but the last token reused
   sampled = [c.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=6, temperature=0.9, top_p=0.95, seed=seed,
-                                       extra_body={"top_k": 40, "min_p": 0.01}).choices[0].message.content for seed in (7, 7, 8)]
+                                       extra_body={"top_k": 40, "min_p": 0.01}).choices[0].message.content for seed in (7, 7, 8, 9, 10)]
   assert sampled[0] == sampled[1]  # the same seed, the same text
+  assert len(set(sampled)) >= 2, sampled  # and the seed is used: four seeds do not all give one text
   lp = c.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
   content = lp.choices[0].logprobs.content
   text = lp.choices[0].message.content  # the tokens' bytes up to the last whole character (a cut one is in `bytes`, not in the text)
