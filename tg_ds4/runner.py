@@ -210,7 +210,10 @@ class Runner:
   def next_token(self, token: int, pos: int, params: SamplingParams = GREEDY, sampling: tuple = (), logprobs: int | None = None) -> Tensor:
     """One token at `pos` through the per-token step: the next token id `[1, 1]` (greedy, or sampled with `sampling` =
     params.tensors() + the rng state), or with `logprobs` = k the row of _with_logprobs."""
-    out, _ = self._next_step(params.greedy, logprobs)(self._tok(token), self._pos(pos), *sampling)
+    return self._per_token(token, pos, params.greedy, sampling, logprobs)[0]
+
+  def _per_token(self, token: int, pos: int, is_greedy: bool, sampling: tuple, k: int | None) -> tuple[Tensor, Tensor]:
+    out = self._next_step(is_greedy, k)(self._tok(token), self._pos(pos), *sampling)
     self._wrote(token, pos)
     return out
 
@@ -226,10 +229,7 @@ class Runner:
     rows = []
     if K: rows.append(self._prefill_chunks(tokens[:K], 0, self._plan(K, 0)[0]).numpy()[0, -1])
     self.cached = list(tokens[:K])
-    step = self._next_step(True, None)
-    for p in range(K, n):
-      rows.append(step(self._tok(tokens[p]), self._pos(p))[1].numpy()[0])
-      self._wrote(tokens[p], p)
+    rows += [self._per_token(tokens[p], p, True, (), None)[1].numpy()[0] for p in range(K, n)]
     return np.stack(rows).astype(np.float32)
 
   # *** generation
