@@ -3,7 +3,7 @@ model to compile. `python tests/scripted.py --port N [serve's HTTP flags]` runs 
 connection limits) over the 512-token fixture vocabulary."""
 from __future__ import annotations
 
-import argparse, pathlib, sys
+import argparse, logging, pathlib, sys, time
 
 from tg_ds4.chat import Template
 from tg_ds4.runner import Step
@@ -18,25 +18,31 @@ VOCAB = pathlib.Path(__file__).resolve().parent / "fixtures/deepseek2/ds3/ds3-Q8
 MODEL_ID = "tiny-chat"
 TEMPLATE = "{% for m in messages %}{{ m.role + ': ' + m.content + '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
 
+log = logging.getLogger("scripted")
+
 class ScriptedRunner:
   """Stands in for Runner in the worker: 'generates' a fixed token script instantly and records the prompts. A script
-  containing `fail` raises there, as a broken model would."""
-  def __init__(self, script: list[int], fail: int | None = None): self.script, self.fail, self.cached, self.prompts = script, fail, [], []
+  containing `fail` raises there, as a broken model would. With `hold`, every token after the first waits until that
+  file exists: a request that keeps the worker busy for as long as a test needs."""
+  def __init__(self, script: list[int], fail: int | None = None, hold: pathlib.Path | None = None):
+    self.script, self.fail, self.hold, self.cached, self.prompts = script, fail, hold, [], []
   def reusable(self, prompt): return 0
   def steps(self, prompt, max_new, params=SamplingParams(), stop=frozenset(), start_pos=0, logprobs=None):
     self.prompts.append(prompt)
-    for t in self.script[:max_new]:
+    log.info("scripted: generating for a %d-token prompt", len(prompt))
+    for i, t in enumerate(self.script[:max_new]):
+      while i and self.hold is not None and not self.hold.exists(): time.sleep(0.01)
       if t == self.fail: raise RuntimeError("secret internal detail /home/user/model.gguf")
       yield Step(t, -0.5 if logprobs is not None else None, ((t, -0.5),) * (logprobs or 0))
       if t in stop: return
 
-def scripted_served(tok, script: list[int], template: str = TEMPLATE, start=True, max_queue=8, fail: int | None = None) -> Served:
-  worker = Worker(lambda: (ScriptedRunner(script, fail), None), max_queue=max_queue)
+def scripted_served(tok, script: list[int], template: str = TEMPLATE, start=True, max_queue=8, fail: int | None = None,
+                    hold: pathlib.Path | None = None) -> Served:
+  worker = Worker(lambda: (ScriptedRunner(script, fail, hold), None), max_queue=max_queue)
   if start: worker.start().wait_loaded()
   return Served(MODEL_ID, frozenset({MODEL_ID}), tok, Template(template), 512, worker)
 
 if __name__ == "__main__":
-  import logging
   from tg_ds4.gguf import GGUFFile
   from tg_ds4.tokenizer import Tokenizer
   a = argparse.ArgumentParser()
@@ -44,6 +50,7 @@ if __name__ == "__main__":
   a.add_argument("--host", default="127.0.0.1")
   a.add_argument("--text", default="Hello there, this is a scripted answer.")
   a.add_argument("--fail", action="store_true", help="the engine raises at the first token")
+  a.add_argument("--hold", type=pathlib.Path, help="tokens after the first wait until this file exists")
   a.add_argument("--max-body-bytes", type=int, default=8 << 20)
   a.add_argument("--max-parsing", type=int, default=2)
   a.add_argument("--head-timeout", type=float, default=10.0)
@@ -55,7 +62,7 @@ if __name__ == "__main__":
   logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
   tok = Tokenizer.from_gguf(GGUFFile(VOCAB))
   script = tok.encode(args.text, add_special=False)
-  served = scripted_served(tok, script, fail=script[0] if args.fail else None)
+  served = scripted_served(tok, script, fail=script[0] if args.fail else None, hold=args.hold)
   app = build_app(served, BodyLimits(args.max_body_bytes, 64, args.body_timeout, args.max_parsing),
                   Allowed(args.host, frozenset(args.allow_host), frozenset(args.allow_origin)))
   run(app, args.host, args.port, args.head_timeout, args.max_connections)

@@ -263,3 +263,30 @@ def test_an_answer_cut_inside_a_character_ends_at_a_whole_character(tok):
       pieces = [json.loads(line[6:])["choices"][0]["text"] for line in s.splitlines() if line.startswith("data: {")]
       assert "".join(pieces) == whole
   _asgi(app, go)
+
+# *** cancellation while queued ***
+
+def test_a_request_cancelled_while_queued_never_runs(tmp_path):
+  """Request A holds the worker (the scripted engine waits after A's first token); B queues behind it and its client
+  gives up; then A's client leaves too. B must never reach the engine: no steps, no tokens, a cancel at 0 generated."""
+  hold = tmp_path / "go"
+  s = Scripted(tmp_path, "--hold", str(hold))
+  try:
+    body = {"model": MODEL_ID, "prompt": "first", "max_tokens": 8, "stream": True}
+    with httpx.Client(timeout=10) as http, http.stream("POST", s.url + "/v1/completions", json=body) as r:
+      next(line for line in r.iter_lines() if line.startswith("data: {"))  # A runs, held after its first token
+      with pytest.raises(httpx.TimeoutException):
+        httpx.post(s.url + "/v1/completions", json={**body, "prompt": "second request", "stream": False}, timeout=0.5)
+      h = s.health()
+      assert h["busy"] and h["queued"] == 1, h
+    time.sleep(0.5)  # both disconnects reach the server (the worker cannot move: A is held)
+    hold.touch()
+    deadline = time.monotonic() + 10
+    while (h := s.health())["busy"] or h["queued"] or h["cancelled"] < 2:
+      assert time.monotonic() < deadline, h
+      time.sleep(0.02)
+    assert h["cancelled"] == 2 and h["completed"] == 0 and h["tokens"] <= 2, h  # A: its first token, at most one more
+    assert h["last_cancel"]["generated"] == 0 and h["last_cancel"]["tokens_after_cancel"] == 0, h
+    assert s.log().count("scripted: generating") == 1, s.log()  # only A ever reached the engine
+    assert s.complete().json()["choices"][0]["text"]  # and the worker serves the next request
+  finally: s.stop()

@@ -202,8 +202,14 @@ def test_concurrent_clients_get_their_own_answers(server):
 
 def test_disconnected_stream_frees_the_worker_within_one_token(server):
   # (both prompts make this model write ~240 tokens before any end-of-text token, so a cut is always mid-answer)
+  c, story, essay = server.openai(), "Once upon a time", "Write an essay"
+  _complete(c, "Still there?", 2)  # the answers to compare against come from a cache that holds neither prompt
+  fresh = c.completions.create(model=MODEL_ID, prompt=story, max_tokens=8, temperature=0)
+  assert fresh.usage.prompt_tokens_details.cached_tokens < fresh.usage.prompt_tokens - 1
+  sampled = dict(model=MODEL_ID, prompt=essay, max_tokens=8, temperature=0.9, seed=3)
+  fresh_sampled = c.completions.create(**sampled).choices[0].text
   before = server.health()["cancelled"]
-  body = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 10_000, "temperature": 0, "stream": True}
+  body = {"model": MODEL_ID, "prompt": story, "max_tokens": 10_000, "temperature": 0, "stream": True}
   with httpx.Client(timeout=60) as http, http.stream("POST", server.url + "/v1/completions", json=body) as r:
     for line in r.iter_lines():
       if line.startswith("data: {"): break  # one token in, then hang up
@@ -212,14 +218,40 @@ def test_disconnected_stream_frees_the_worker_within_one_token(server):
     assert time.monotonic() < deadline, h
     time.sleep(0.02)
   assert h["last_cancel"]["tokens_after_cancel"] <= 1 and h["last_cancel"]["generated"] < CTX - 10, h["last_cancel"]
-  assert _complete(server.openai(), "Still there?", 2)  # and the worker serves the next request
+  # the worker serves the next request, and the cut answer's rows left in the cache change nothing: the same prompt
+  # again (all but its last token reused) answers as it did from a cold cache
+  again = c.completions.create(model=MODEL_ID, prompt=story, max_tokens=8, temperature=0)
+  assert again.choices[0].text == fresh.choices[0].text and again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
   before = server.health()["cancelled"]  # the same for a non-streaming request whose client gives up
   with pytest.raises(httpx.TimeoutException):
-    httpx.post(server.url + "/v1/completions", json={**body, "stream": False, "prompt": "Write an essay"}, timeout=0.05)
+    httpx.post(server.url + "/v1/completions", json={**body, "stream": False, "prompt": essay, "temperature": 0.9, "seed": 3}, timeout=0.05)
   while (h := server.health())["busy"] or h["cancelled"] == before:
     assert time.monotonic() < deadline + 30, h
     time.sleep(0.02)
   assert h["last_cancel"]["tokens_after_cancel"] <= 1 and h["last_cancel"]["generated"] < CTX - 10, h["last_cancel"]
+  assert c.completions.create(**sampled).choices[0].text == fresh_sampled  # a seeded draw after a cut one: the same text
+
+def test_sampling_parameters_shape_what_is_drawn(server):
+  """The first token drawn under 16 seeds: temperature spreads the draws, top_k / min_p / top_p keep them inside the set
+  the greedy request's logprobs (the raw distribution, which the filters act on) say they may come from, and a
+  temperature near 0 draws the greedy token."""
+  c = server.openai()
+  top = c.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=1, temperature=0, logprobs=True,
+                                  top_logprobs=20).choices[0].logprobs.content[0].top_logprobs
+  key = lambda t: tuple(t.bytes)  # a token's bytes name it (several byte tokens print as the same replacement character)
+  lp = {key(t): t.logprob for t in top}
+  assert len(lp) == 20
+  def draws(temperature, **extra):
+    return [key(c.chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=1, temperature=temperature, seed=seed, logprobs=True,
+                                          **({"extra_body": extra} if extra else {})).choices[0].logprobs.content[0]) for seed in range(16)]
+  hot, best = draws(2.0), key(top[0])
+  assert len(set(hot)) >= 5, hot
+  top2 = draws(2.0, top_k=2)
+  assert set(top2) == {key(top[0]), key(top[1])}, top2
+  assert set(draws(2.0, min_p=0.3)) <= {t for t, v in lp.items() if v >= lp[best] + np.log(0.3)}
+  nucleus = [key(t) for i, t in enumerate(top) if sum(np.exp(x.logprob) for x in top[:i]) < 0.6]  # the smallest set with mass >= 0.6
+  assert set(draws(2.0, top_p=0.6)) <= set(nucleus)
+  assert draws(0.01) == [best] * 16
 
 # *** prefix KV reuse ***
 
