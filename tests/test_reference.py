@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tinygrad import Tensor
 
-from tg_ds4.runner import Runner
+from tg_ds4.runner import FEED_TOKENS, Runner
 from tg_ds4.layers import packed_weights
 from tg_ds4.model import Transformer
 
@@ -102,6 +102,41 @@ def test_engine_path_matches_the_reference(fam, q):
   print(f"\n{fam} {q}: engine path vs reference {rel(r['engine'], ref):.2e} over {len(ref)} rows; resumed at {r['resumed_at']}")
   assert r["engine"].shape == ref.shape and rel(r["engine"], ref) <= (2e-5 if q == "F32" else 5e-5)
   assert r["engine_greedy"] == want and r["resumed_greedy"] == want and r["resumed_at"] == RESUME_AT
+
+LONG_K, LONG_CTX = 144, 192  # 144 prompt tokens through captured chunks of 128 and a padded 32, the rest per token
+
+@functools.cache
+def run_long(fam: str, q: str) -> dict:
+  """The long case (manifest "long", make_fixtures.make_long): engine rows over the 150-token prompt and the reference's
+  continuation, `generate`'s greedy ids, and a second turn resumed after a first of `resume_after` tokens."""
+  man, L = manifest(fam), manifest(fam)["long"]
+  ids, ref_ids = L["token_ids"], L["ggufs"][q]["hf_greedy_ids"]
+  e = Runner.load(ROOT / fam / man["ggufs"][q]["file"], max_ctx=LONG_CTX)
+  assert e._plan(LONG_K, FEED_TOKENS) == ([128, 32], 0) and e._plan(len(ids), FEED_TOKENS) == ([128, 32], 0)
+  out = {"engine": e.engine_logits(ids + ref_ids[:-1], prefill_tokens=LONG_K), "greedy": list(e.generate(ids, L["n_gen"]))}
+  list(e.generate(ids[:L["resume_after"]], 3))
+  start = e.reusable(ids)
+  assert e._plan(len(ids) - start, FEED_TOKENS) == ([64], 0)  # the resumed tail: one padded 64-token chunk
+  out["resumed_greedy"], out["resumed_at"] = list(e.generate(ids, L["n_gen"], start_pos=start)), start
+  return out
+
+# every family, in exact float (F32), a 32-block quant (Q4_0) and a K-quant (ds3k has no committed F32): each file
+# captures its own chunk and step kernels, ~30 s, so the other quantized files keep to the short case
+LONG_FILES = [(fam, q) for fam, q in FILES if q in ("F32", "Q4_0") or (fam, q) == ("ds3k", "Q4_K_M")]
+
+@pytest.mark.parametrize("fam,q", LONG_FILES)
+def test_engine_path_long_prompt(fam, q):
+  """A prompt past the fixture's trained context (64, ds2lite 128), as generation runs it: several captured chunks,
+  the last padded, then the per-token step; and a resumed turn whose tail is a padded 64-token chunk. Against
+  transformers (F32) or transformers on the dequantized weights, whose greedy margins here are all >= 5e-3."""
+  L, r = manifest(fam)["long"], run_long(fam, q)
+  g = L["ggufs"][q]
+  ref = np.load(ROOT / fam / g["logits"])[LONG_K - 1 - L["rows_from"]:]
+  err = rel(r["engine"], ref)
+  print(f"\n{fam} {q}: long prompt, engine rows {LONG_K - 1}..{LONG_K - 2 + len(ref)} vs reference {err:.2e}; resumed at {r['resumed_at']}")
+  assert r["engine"].shape == ref.shape and err <= (2e-5 if q == "F32" else 5e-5)
+  assert r["greedy"] == g["hf_greedy_ids"] and r["resumed_greedy"] == g["hf_greedy_ids"]
+  assert r["resumed_at"] >= L["resume_after"]
 
 @pytest.mark.parametrize("fam,q", FILES)
 def test_decode_matches_prefill(fam, q):

@@ -4,6 +4,7 @@
 then the weights. Everything after that (captured steps, generation, prefix reuse) is runner.Runner's."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -53,6 +54,10 @@ def config_of(gf: GGUFFile) -> Any:
 
 def load_model(gf: GGUFFile, device: str, max_ctx: int | None = None, llama_cpp_activations: bool = False) -> Model:
   """The model of `gf`: config, weights (packed, mmapped), caches for `max_ctx` positions (default: the file's context).
-  `llama_cpp_activations` rounds quantized-matmul inputs as llama.cpp's CPU backend does (see actquant.py)."""
+  A context past the trained one is allowed, as llama.cpp allows it, with one warning: the math is defined there (RoPE
+  of any position), only the model's quality is not. `llama_cpp_activations` rounds quantized-matmul inputs as
+  llama.cpp's CPU backend does (see actquant.py)."""
   cfg = config_of(gf)
-  return ARCHS[gf.arch].model.load(cfg, gf, device, min(max_ctx or cfg.ctx_len, cfg.ctx_len), llama_cpp_activations)
+  if (max_ctx := max_ctx or cfg.ctx_len) > cfg.ctx_len:
+    logging.getLogger("tg_ds4").warning("%s: a context of %d positions exceeds the %d the model was trained for", gf.path.name, max_ctx, cfg.ctx_len)
+  return ARCHS[gf.arch].model.load(cfg, gf, device, max_ctx, llama_cpp_activations)
