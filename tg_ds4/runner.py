@@ -160,6 +160,10 @@ class Runner:
       sizes.append(c); n -= min(c, n)
     return sizes, n
 
+  def chunked(self, n: int) -> int:
+    """How many tokens of an n-token prompt `generate` prefills through chunks (the rest go through the per-token step)."""
+    return n - self._plan(n, FEED_TOKENS)[1]
+
   def _prefill_chunks(self, tokens: list[int], start_pos: int, sizes: list[int]) -> Tensor:
     """tokens through the captured prefill steps of `sizes`; the logits `[1, 1, vocab]` of the last token. The last
     chunk may be padded: the padding writes cache rows past the prompt, which later steps overwrite before any query
@@ -223,7 +227,7 @@ class Runner:
     position K-1 are the chunk's selected row), the rest one at a time through the greedy per-token step. K defaults
     to what `generate` would prefill in chunks for this prompt."""
     n = len(tokens)
-    K = n - self._plan(n, FEED_TOKENS)[1] if prefill_tokens is None else prefill_tokens
+    K = self.chunked(n) if prefill_tokens is None else prefill_tokens
     if not 0 <= K <= n: raise ValueError(f"prefill tokens {K} must be in [0, {n}]")
     self._check(n, 0)
     rows = []
