@@ -27,6 +27,15 @@ def test_unsupported_arch_is_named(tmp_path):
   write_tiny_deepseek2(p := tmp_path / "a.gguf", arch="mamba9")
   with pytest.raises(GGUFError, match=r"architecture 'mamba9' is not supported"): Runner.load(p)
 
+def test_context_past_the_trained_one_is_given_with_a_warning(tiny, caplog):
+  """As llama.cpp's n_ctx > n_ctx_train: what the caller asks for, not a silent cap (test_reference's long case runs
+  150-token prompts through 64-position fixtures against transformers)."""
+  trained = Runner.load(tiny).model.max_ctx
+  assert not [r for r in caplog.records if "trained" in r.getMessage()]
+  assert Runner.load(tiny, max_ctx=trained + 40).model.max_ctx == trained + 40
+  want = f"tiny.gguf: a context of {trained + 40} positions exceeds the {trained} the model was trained for"
+  assert [r.getMessage() for r in caplog.records] == [want]
+
 def test_decode_equals_prefill_and_jit_replays(tiny):
   ref = Runner.load(tiny, max_ctx=32).prefill(TOKENS, chunk=len(TOKENS)).numpy()[0]
   m = Runner.load(tiny, max_ctx=32)
