@@ -13,6 +13,10 @@ from tinygrad.uop.ops import AxisType, Ops, UOp, graph_rewrite
 from tg_ds4 import kernel_opts
 from tg_ds4.quant import QTYPE_BY_NAME, QTensor, linear
 
+@pytest.fixture(autouse=True, scope="module")
+def installed():  # as when a CPU model is loaded (arch.prepare_device); the rendering tests read the installed rewrites
+  kernel_opts.install()
+
 def kernel_sinks(t: Tensor) -> list[UOp]:
   """The kernel ASTs of `t`'s schedule (one call per tensor: scheduling assigns its buffers)."""
   return [c.src[0] for c in t.linear_with_vars()[0].src if c.op is Ops.CALL and c.src[0].op is Ops.SINK]

@@ -20,6 +20,7 @@ from tinygrad.helpers import DEBUG, NUM_CPU_THREADS, PROFILE, GlobalCounters, pe
 from tinygrad.runtime.ops_cpu import MAX_ARGS, CPUProgram
 from tinygrad.uop.ops import Ops, UOp
 
+from tg_ds4 import compat
 from tg_ds4.registry import cache_dir
 from tg_ds4.stepcache import StepCache
 
@@ -153,7 +154,7 @@ class Jit(_TinyJit):
     self.loaded = False
 
   def _fast(self, c: CapturedJit) -> CapturedJit:
-    if type(c) is not CapturedJit or os.environ.get("TG_DS4_FAST_REPLAY", "1") == "0" or not _runner_available(): return c
+    if type(c) is not CapturedJit or not compat.fast_replay_on() or not _runner_available(): return c
     fast = FastCPUReplay(c.ret, c._linear, c.expected_names, c.expected_input_info)
     if "_written_uops" in c.__dict__: fast.__dict__["_written_uops"] = c.__dict__["_written_uops"]  # (saved with a cached step)
     return fast

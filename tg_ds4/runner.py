@@ -29,7 +29,7 @@ from tinygrad.device import Buffer
 from tinygrad.dtype import _to_np_dtype
 
 from tg_ds4 import quant, stepcache
-from tg_ds4.arch import Model, load_model
+from tg_ds4.arch import Model, load_model, prepare_device
 from tg_ds4.gguf import GGUFFile
 from tg_ds4.replay import Jit
 from tg_ds4.sampling import SamplingParams, greedy, sample
@@ -103,6 +103,7 @@ class Runner:
     llama.cpp; the default is exact float math."""
     gf = path if isinstance(path, GGUFFile) else GGUFFile(path)
     device = device or Device.DEFAULT
+    prepare_device(device)
     # the few small kernels of a load (zeroed caches, rope tables, stacked rows) are lowered in this process: starting
     # tinygrad's pool of compile workers for them costs ~0.8 s, most of a warm start
     with Context(PARALLEL=0):

@@ -1,0 +1,47 @@
+"""compat.py: importing tg_ds4 changes nothing in tinygrad; loading a model for a CPU renderer installs the CPU kernel
+heuristic, unless TG_DS4_KERNEL_OPTS=0 or tinygrad is not the release its internals were written for (then one warning
+and stock tinygrad). Each case runs in a fresh process: the patches are process-wide."""
+import json, os, pathlib, subprocess, sys
+
+DS3 = pathlib.Path(__file__).parent / "fixtures" / "deepseek2" / "ds3" / "ds3-Q4_0.gguf"
+
+PROBE = r"""
+import json, sys
+import tinygrad.codegen as cg
+from tinygrad.codegen.opt import heuristic
+from tinygrad.engine import worker
+from tinygrad.renderer.cstyle import ClangRenderer
+hooks = lambda: [heuristic.hand_coded_optimizations, cg.memory_coalescing, worker._init_worker, ClangRenderer.extra_matcher]
+stock = hooks()
+if sys.argv[1] == "old": import importlib.metadata as md; real = md.version; md.version = lambda n: "0.13.0" if n == "tinygrad" else real(n)
+import tg_ds4, tg_ds4.runner, tg_ds4.server.app, tg_ds4.kernel_opts  # everything, the heuristic's own module included
+after_import = [a is b for a, b in zip(hooks(), stock)]
+from tg_ds4.runner import Runner
+from tg_ds4.compat import fast_replay_on
+Runner.load(sys.argv[2], max_ctx=32)
+print(json.dumps({"import": after_import, "load": [a is b for a, b in zip(hooks(), stock)], "fast_replay": fast_replay_on()}))
+"""
+
+def probe(case: str, dev: str = "CPU", **env) -> tuple[dict, str]:
+  r = subprocess.run([sys.executable, "-c", PROBE, case, str(DS3)], capture_output=True, text=True, timeout=300,
+                     env={**os.environ, "DEV": dev, "TG_DS4_STEP_CACHE": "0", **env})
+  assert r.returncode == 0, r.stderr[-3000:]
+  return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+
+def test_import_changes_nothing_and_a_cpu_load_installs():
+  res, err = probe("cpu")
+  assert res == {"import": [True] * 4, "load": [False] * 4, "fast_replay": True}, res
+  assert "tinygrad" not in err
+
+def test_off_switch_keeps_stock_tinygrad():
+  res, _ = probe("cpu", TG_DS4_KERNEL_OPTS="0")
+  assert res["import"] == [True] * 4 and res["load"] == [True] * 4
+
+def test_another_tinygrad_release_runs_stock_with_one_warning():
+  res, err = probe("old")
+  assert res == {"import": [True] * 4, "load": [True] * 4, "fast_replay": False}, res
+  assert err.count("tinygrad 0.13.0 is installed") == 1, err
+
+def test_a_device_without_a_cpu_renderer_stays_stock():
+  res, _ = probe("cpu", dev="NULL")
+  assert res["import"] == [True] * 4 and res["load"] == [True] * 4
