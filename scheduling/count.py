@@ -1,45 +1,82 @@
-"""Kernels and bytes per decode step, per block kind, on DEV=NULL (scheduled, not run).
+"""Kernels and bytes per block kind for one decode token and one prefill chunk, for the backend that DEV names.
 
-  DEV=NULL python scheduling/count.py FILE.gguf ... [--json]"""
-import json, sys
+  DEV=<target> python scheduling/count.py FILE.gguf ... [--json] [--steps decode|prefill|decode,prefill]
 
-from tinygrad import Device, GlobalCounters, Tensor, UOp
+Targets: CPU (the machine's own, kernels run on empty inputs), NULL (scheduled and lowered by tinygrad's generic C
+renderer, nothing runs) and NULL-device targets that lower for a GPU without one: NULL:CUDA:sm_90 (NVRTC from NVIDIA's
+PyPI wheel), NULL:METAL (rendered; a stand-in compiler off macOS), NULL::gfx1100 (AMD), NULL:OPENCL, NULL:WGSL
+(WebGPU). compat.lowering_target prepares the GPU ones; scheduling/budgets.toml holds the budgets per backend."""
+import argparse, json, os, sys
 
-from tg_ds4.arch import Model
-from tg_ds4.ds4 import DS4Transformer
-from tg_ds4.layers import packed_weights
-from tg_ds4.quant import QTensor
-from tg_ds4.runner import Runner
-from tg_ds4.sampling import greedy
+from tg_ds4 import compat
+
+BACKENDS = {"CPU": "CPU", "NULL": "NULL", "NULL:CUDA:sm_90": "CUDA", "NULL:METAL": "METAL", "NULL::gfx1100": "AMD",
+            "NULL:OPENCL": "OPENCL", "NULL:WGSL": "WEBGPU"}
+DEV = os.environ.get("DEV", "CPU")
+compat.lowering_target(DEV)  # before tinygrad opens the device
+
+from tinygrad import Context, Device, GlobalCounters, Tensor, UOp, dtypes  # noqa: E402
+from tinygrad.helpers import PARALLEL  # noqa: E402
+
+from tg_ds4.arch import Model  # noqa: E402
+from tg_ds4.ds4 import DS4Transformer  # noqa: E402
+from tg_ds4.layers import packed_weights  # noqa: E402
+from tg_ds4.quant import QTensor  # noqa: E402
+from tg_ds4.runner import Runner  # noqa: E402
+from tg_ds4.sampling import greedy  # noqa: E402
 
 def _packed_bytes(obj) -> int:
   """Packed bytes of every weight below a block (what one decode step must read at least once)."""
   return obj.nbytes if isinstance(obj, QTensor) else sum(w.nbytes for _, _, w in packed_weights(obj))
 
-def decode_counts(model: Model) -> dict[str, dict[str, float]]:
-  """{block kind: {kernels, bytes, packed}} for one decode token at position 7, plus the head with greedy sampling."""
+def block_kind(model: Model, i: int) -> str:
+  cfg, b = model.cfg, model.blk[i]
+  if isinstance(model, DS4Transformer):  # attention by compression ratio (window / ratio 4 + indexer / ratio 128), routing by hash or top-k
+    return f"DS4 {dict([(0, 'SWA'), (4, 'CSA'), (128, 'HCA')])[cfg.compress_ratios[i]]} {'hash-MoE' if i < cfg.n_hash_layer else 'MoE'}"
+  return f"{'MLA' if cfg.mla else 'GQA'} {'MoE' if cfg.is_moe_layer(i) else 'dense'}" + \
+    (" sandwich" if cfg.sandwich_norm else "") + (" SWA" if b.swa else "")  # gemma: extra norms, windowed mask
+
+def counts(model: Model, T: int) -> dict[str, dict[str, float]]:
+  """{block kind: {kernels, bytes, packed}} for T tokens at position 7 (T=1: a decode step; else a prefill chunk), plus
+  the head (with greedy sampling for a decode step)."""
   cfg, out, pos = model.cfg, {}, UOp.variable("start_pos", 0, model.max_ctx - 1).bind(7)
-  ds4 = isinstance(model, DS4Transformer)  # hyper-connection streams in, token id for hash routing
+  ds4 = isinstance(model, DS4Transformer)  # hyper-connection streams in, token ids for hash routing
+  tokens = UOp.variable("token", 0, cfg.n_vocab - 1).bind(1) if T == 1 else Tensor.zeros(1, T, dtype=dtypes.int32).contiguous().realize()
   for i, b in enumerate(model.blk):
-    if ds4:  # attention by compression ratio (window only / ratio 4 + indexer / ratio 128), routing by token hash or top-k
-      kind = f"DS4 {dict([(0, 'SWA'), (4, 'CSA'), (128, 'HCA')])[cfg.compress_ratios[i]]} {'hash-MoE' if i < cfg.n_hash_layer else 'MoE'}"
-    else: kind = f"{'MLA' if cfg.mla else 'GQA'} {'MoE' if cfg.is_moe_layer(i) else 'dense'}" + \
-      (" sandwich" if cfg.sandwich_norm else "") + (" SWA" if b.swa else "")  # gemma: extra norms, windowed mask
-    if kind in out: continue
-    x = Tensor.empty(1, 1, *((cfg.hc,) if ds4 else ()), cfg.dim).realize()
+    if (kind := block_kind(model, i)) in out: continue
+    x = Tensor.empty(1, T, *((cfg.hc,) if ds4 else ()), cfg.dim).realize()
     GlobalCounters.reset()
-    if ds4: b(x, UOp.variable("token", 0, cfg.n_vocab - 1).bind(1), pos, model.tabs).realize()
+    if ds4: b(x, tokens, pos, model.tabs).realize()
     else: b(x, pos, model.rope_swa if b.swa else model.rope).realize()
     out[kind] = {"kernels": GlobalCounters.kernel_count, "bytes": GlobalCounters.global_mem, "packed": _packed_bytes(b)}
-  x = Tensor.empty(1, 1, *((cfg.hc,) if ds4 else ()), cfg.dim).realize()
-  GlobalCounters.reset(); greedy(model.output(model.output_norm(model.output_hc.head(x) if ds4 else x))[:, -1]).realize()
-  out["head+sampling"] = {"kernels": GlobalCounters.kernel_count, "bytes": GlobalCounters.global_mem, "packed": _packed_bytes(model.output)}
+  x = Tensor.empty(1, T, *((cfg.hc,) if ds4 else ()), cfg.dim).realize()
+  GlobalCounters.reset()
+  logits = model.output(model.output_norm(model.output_hc.head(x) if ds4 else x))
+  (greedy(logits[:, -1]) if T == 1 else logits).realize()
+  out["head+sampling" if T == 1 else "head"] = {"kernels": GlobalCounters.kernel_count, "bytes": GlobalCounters.global_mem,
+                                                "packed": _packed_bytes(model.output)}
   return out
 
+def file_counts(path: str, steps: list[str]) -> dict:
+  model = Runner.load(path, max_ctx=64).model
+  res = {"decode": counts(model, 1)} if "decode" in steps else {}
+  if "prefill" in steps: res.update(prefill=counts(model, model.PREFILL_CHUNKS[0]), prefill_tokens=model.PREFILL_CHUNKS[0])
+  return res
+
 if __name__ == "__main__":
-  assert Device.DEFAULT == "NULL", "run with DEV=NULL"
-  res = {p: decode_counts(Runner.load(p, max_ctx=64).model) for p in sys.argv[1:] if p != "--json"}
-  if "--json" in sys.argv: print(json.dumps(res))
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("files", nargs="+")
+  ap.add_argument("--json", action="store_true")
+  ap.add_argument("--steps", default="decode,prefill", help="decode, prefill or both (default)")
+  args = ap.parse_args()
+  if (backend := BACKENDS.get(DEV)) is None: sys.exit(f"DEV={DEV}: count.py knows {', '.join(BACKENDS)}")
+  # compile in this process: a stand-in compiler (compat.lowering_target) exists only here, not in tinygrad's workers
+  with Context(PARALLEL=0 if backend == "METAL" else PARALLEL.value):
+    res = {"backend": backend, "device": Device.DEFAULT, "files": {p: file_counts(p, args.steps.split(",")) for p in args.files}}
+  if args.json: print(json.dumps(res))
   else:
-    for p, kinds in res.items():
-      print(p); [print(f"  {k:<16} {v['kernels']:>3} kernels  {v['bytes'] / max(v['packed'], 1):.3f}x packed bytes") for k, v in kinds.items()]
+    for p, r in res["files"].items():
+      print(f"{p} ({backend})")
+      for step in ("decode", "prefill"):
+        for k, v in r.get(step, {}).items():
+          print(f"  {step:<8}{k:<24} {v['kernels']:>3} kernels  {v['bytes'] / max(v['packed'], 1):.3f}x packed bytes")

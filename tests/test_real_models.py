@@ -23,15 +23,17 @@ MODELS = sorted(p.stem for p in ROOT.glob("*.json"))
 @functools.cache
 def fixture(name: str) -> dict: return json.loads((ROOT / f"{name}.json").read_text())
 
+SHORT = 16  # the short prompts' padded length in exact mode
 RESUME_BACK = 40  # the long case's second turn: the first turn held all but this many prompt tokens (a padded chunk)
 
 @functools.cache
 def ours(name: str) -> list[dict]:
   """Per prompt: the engine path's logits over the prompt and llama.cpp's continuation (`engine_logits`: the prompt
   through the captured prefill chunks `generate` would use for it, then the per-token step), and the greedy
-  continuation through `generate`. The short prompts also get exact mode's prompt logits (one forward); the long case
-  (the last) gets a second turn resumed at start_pos > 0 after a shorter first one instead: an eager forward of a new
-  length is lowered anew, ~40 s for 170 tokens here, while the engine's steps are captured once per model."""
+  continuation through `generate`. The short prompts also get exact mode's prompt logits (one forward, all three at one
+  padded length: an eager forward of a new length is lowered anew, ~40 s for 170 tokens here, while the engine's steps
+  are captured once per model); the long case (the last) gets a second turn resumed at start_pos > 0 after a shorter
+  first one instead."""
   f = fixture(name)
   runner, out = Runner.load(resolve(name), max_ctx=max(len(c["prompt_ids"]) for c in f["cases"]) + f["n_gen"]), []
   for case in f["cases"]:
@@ -39,7 +41,8 @@ def ours(name: str) -> list[dict]:
     r = {"engine_from": max(runner.chunked(len(ids)) - 1, 0)}  # the position of the first engine row
     r["engine"] = runner.engine_logits(ids + ref[:-1], prefill_tokens=runner.chunked(len(ids)))
     r["greedy"] = list(runner.generate(ids, f["n_gen"]))
-    if case is not f["cases"][-1]: r["logits"] = runner.prefill(ids, chunk=len(ids)).numpy()[0]
+    if case is not f["cases"][-1]:  # one forward over the prompt padded to SHORT (causal: the pad changes no row before it)
+      r["logits"] = runner.prefill(ids + [0] * (SHORT - len(ids)), chunk=SHORT).numpy()[0, :len(ids)]
     else:
       list(runner.generate(ids[:-RESUME_BACK], 3))
       r["resumed_at"] = runner.reusable(ids)

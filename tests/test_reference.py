@@ -120,9 +120,9 @@ def run_long(fam: str, q: str) -> dict:
   out["resumed_greedy"], out["resumed_at"] = list(e.generate(ids, L["n_gen"], start_pos=start)), start
   return out
 
-# every family, in exact float (F32), a 32-block quant (Q4_0) and a K-quant (ds3k has no committed F32): each file
-# captures its own chunk and step kernels, ~30 s, so the other quantized files keep to the short case
-LONG_FILES = [(fam, q) for fam, q in FILES if q in ("F32", "Q4_0") or (fam, q) == ("ds3k", "Q4_K_M")]
+# every family once, between them exact float (F32), 32-block quants (Q4_0) and a K-quant: each file captures its own
+# chunk and step kernels (~28 s), and what the long case adds (chunk plan, padding, resume) does not depend on the format
+LONG_FILES = [("ds2lite", "F32"), ("ds3", "Q4_0"), ("ds3k", "Q4_K_M"), ("glm", "F32"), ("youtu", "Q4_0")]
 
 @pytest.mark.parametrize("fam,q", LONG_FILES)
 def test_engine_path_long_prompt(fam, q):

@@ -1,6 +1,7 @@
-"""Kernel budgets per decode block kind (scheduling/budgets.toml), counted on DEV=NULL in a subprocess (nothing runs),
-on the deepseek2 fixtures and the real dense models; and no block may read a dequantized copy of its weights."""
-import json, os, pathlib, subprocess, sys, tomllib
+"""Kernel budgets per block kind and backend (scheduling/budgets.toml), counted by scheduling/count.py in a subprocess
+(nothing runs): decode and prefill chunk on DEV=NULL for the CPU, decode lowered for CUDA (NVRTC) and Metal, on the
+deepseek2 and deepseek4 fixtures and the real dense models; and no block may read a dequantized copy of its weights."""
+import functools, json, os, pathlib, subprocess, sys, tomllib
 
 import pytest
 
@@ -12,28 +13,44 @@ FIXTURES = ["deepseek2/ds2lite/ds2lite-Q4_0.gguf", "deepseek2/ds3/ds3-Q4_0.gguf"
             "deepseek2/ds3k/ds3k-Q4_K_M.gguf", "deepseek4/flash/flash-MXFP4.gguf", "deepseek4/flash/flash-IQ2_XXS.gguf"]
 BYTES_FILES = {"ds3k-Q4_K_M.gguf", "SmolLM2-135M-Instruct.Q4_1.gguf", "gemma-3-270m-q4_k_m.gguf"}  # realistic dims only
 
-@pytest.fixture(scope="module")
-def counts() -> dict:
-  files = [str(ROOT / "tests" / "fixtures" / f) for f in FIXTURES] + [str(resolve("smollm2")), str(resolve("gemma3-270m"))]
-  env = {**os.environ, "DEV": "NULL", "PYTHONPATH": str(ROOT)}
+# backend -> (DEV, steps, files): every family lowers for the GPUs (deepseek2's five, deepseek4, gemma3, qwen2)
+FILES = [str(ROOT / "tests" / "fixtures" / f) for f in FIXTURES]
+REAL = {m: str(resolve(m)) for m in ("smollm2", "gemma3-270m", "qwen2.5-coder-0.5b")}
+GPU_FILES = [f for f in FILES if not f.endswith("flash-IQ2_XXS.gguf")] + [REAL["gemma3-270m"], REAL["qwen2.5-coder-0.5b"]]
+TARGETS = {"CPU": ("NULL", "decode,prefill", FILES + [REAL["smollm2"], REAL["gemma3-270m"]]), "CUDA": ("NULL:CUDA:sm_90", "decode", GPU_FILES),
+           "METAL": ("NULL:METAL", "decode", GPU_FILES)}
+
+@functools.cache
+def counts(backend: str) -> dict:
+  dev, steps, files = TARGETS[backend]
+  env = {**os.environ, "DEV": dev, "PYTHONPATH": str(ROOT)}
   env.pop("DEBUG", None)
-  r = subprocess.run([sys.executable, str(ROOT / "scheduling" / "count.py"), *files, "--json"], env=env, capture_output=True, text=True, timeout=900)
+  r = subprocess.run([sys.executable, str(ROOT / "scheduling" / "count.py"), *files, "--json", "--steps", steps], env=env,
+                     capture_output=True, text=True, timeout=900)
   assert r.returncode == 0, r.stderr[-3000:]
-  return json.loads(r.stdout.strip().splitlines()[-1])
+  res = json.loads(r.stdout.strip().splitlines()[-1])
+  assert res["backend"] == {"NULL": "NULL"}.get(dev, backend) and sorted(res["files"]) == sorted(files)
+  return res["files"]
 
-def test_kernel_budgets(counts):
-  seen = set()
-  for path, kinds in counts.items():
-    for kind, c in kinds.items():
-      assert kind in BUDGETS, f"no budget for block kind {kind!r} ({path})"
-      assert c["kernels"] <= BUDGETS[kind], f"{pathlib.Path(path).name} {kind}: {c['kernels']} kernels > budget {BUDGETS[kind]}"
-      seen.add(kind)
-  print("\n" + "\n".join(f"{k}: max {max(c[k]['kernels'] for c in counts.values() if k in c)} (budget {BUDGETS[k]})" for k in sorted(seen)))
-  assert {"MLA dense", "MLA MoE", "GQA dense", "head+sampling", "DS4 SWA hash-MoE", "DS4 CSA MoE", "DS4 HCA MoE"} <= seen
+@pytest.mark.parametrize("backend", TARGETS)
+def test_kernel_budgets(backend):
+  seen, steps = set(), TARGETS[backend][1].split(",")
+  for path, r in counts(backend).items():
+    for step in steps:
+      for kind, c in r[step].items():
+        assert kind in BUDGETS[step] and backend in BUDGETS[step][kind], f"no {backend} {step} budget for block kind {kind!r} ({path})"
+        budget = BUDGETS[step][kind][backend]
+        assert c["kernels"] <= budget, f"{pathlib.Path(path).name} {backend} {step} {kind}: {c['kernels']} kernels > budget {budget}"
+        seen.add((step, kind))
+  for step, kind in sorted(seen):
+    print(f"\n{backend} {step} {kind}: max {max(r[step][kind]['kernels'] for r in counts(backend).values() if kind in r[step])}"
+          f" (budget {BUDGETS[step][kind][backend]})", end="")
+  assert {("decode", k) for k in ("MLA dense", "MLA MoE", "GQA dense", "GQA dense sandwich SWA", "head+sampling", "DS4 SWA hash-MoE",
+                                  "DS4 CSA MoE", "DS4 HCA MoE")} <= seen
 
-def test_no_dequantized_weight_copies(counts):
-  for path, kinds in counts.items():
+def test_no_dequantized_weight_copies():
+  for path, r in counts("CPU").items():
     if pathlib.Path(path).name not in BYTES_FILES: continue
-    for kind, c in kinds.items():
+    for kind, c in r["decode"].items():
       if (limit := BUDGETS["bytes_ratio"].get(kind)) is not None:
         assert c["bytes"] <= limit * c["packed"], f"{pathlib.Path(path).name} {kind}: {c['bytes'] / c['packed']:.2f}x packed bytes > {limit}"

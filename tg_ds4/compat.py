@@ -17,3 +17,26 @@ def internals_match() -> bool:
 def kernel_opts_on() -> bool: return os.environ.get("TG_DS4_KERNEL_OPTS", "1") != "0" and internals_match()
 
 def fast_replay_on() -> bool: return os.environ.get("TG_DS4_FAST_REPLAY", "1") != "0" and internals_match()
+
+def lowering_target(dev: str) -> None:
+  """Make a NULL-device GPU target (`DEV=NULL:<renderer>[:<arch>]`: scheduled and lowered, nothing runs) lowerable on
+  a machine with no GPU and no vendor toolkit; call before tinygrad opens the device. CUDA compiles with NVRTC from
+  NVIDIA's PyPI wheel (nvidia-cuda-nvrtc-cu12, a test dependency), found through NVRTC_PATH, tinygrad's own override.
+  Metal's compiler loads macOS frameworks, so elsewhere a stand-in whose "binary" is the Metal source takes its place:
+  the renderer, which decides the kernels, is Metal's own. Other targets need nothing."""
+  parts = dev.upper().split(":")
+  if parts[0] != "NULL" or len(parts) < 2: return
+  if parts[1] == "CUDA" and not os.environ.get("NVRTC_PATH"):
+    import importlib.util, pathlib
+    if (spec := importlib.util.find_spec("nvidia.cuda_nvrtc")) is not None and spec.submodule_search_locations:
+      libs = sorted(pathlib.Path(next(iter(spec.submodule_search_locations)), "lib").glob("libnvrtc.so*"))
+      if libs: os.environ["NVRTC_PATH"] = str(min(libs, key=lambda p: len(p.name)))
+  if parts[1] == "METAL":
+    try: import tinygrad.runtime.ops_metal  # noqa: F401  (macOS: the real compiler)
+    except Exception:  # noqa: BLE001  (it loads libobjc / Metal frameworks at import)
+      import sys, types
+      from tinygrad.device import Compiler
+      class MetalSourceCompiler(Compiler):
+        def __init__(self): super().__init__(None)
+        def compile(self, src: str) -> bytes: return src.encode()
+      sys.modules["tinygrad.runtime.ops_metal"] = types.SimpleNamespace(MetalCompiler=MetalSourceCompiler)
