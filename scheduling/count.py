@@ -71,8 +71,12 @@ if __name__ == "__main__":
   args = ap.parse_args()
   if (backend := BACKENDS.get(DEV)) is None: sys.exit(f"DEV={DEV}: count.py knows {', '.join(BACKENDS)}")
   # compile in this process: a stand-in compiler (compat.lowering_target) exists only here, not in tinygrad's workers
+  res, failed = {"backend": backend, "device": Device.DEFAULT, "files": {}}, []
   with Context(PARALLEL=0 if backend == "METAL" else PARALLEL.value):
-    res = {"backend": backend, "device": Device.DEFAULT, "files": {p: file_counts(p, args.steps.split(",")) for p in args.files}}
+    for p in args.files:
+      try: res["files"][p] = file_counts(p, args.steps.split(","))
+      except Exception as e:  # noqa: BLE001  (a renderer that cannot express a kernel: one line, the other files go on)
+        failed.append(f"{p}: {backend} cannot lower it: {type(e).__name__}: {e} ({type(Device[Device.DEFAULT].renderer).__name__})")
   if args.json: print(json.dumps(res))
   else:
     for p, r in res["files"].items():
@@ -80,3 +84,4 @@ if __name__ == "__main__":
       for step in ("decode", "prefill"):
         for k, v in r.get(step, {}).items():
           print(f"  {step:<8}{k:<24} {v['kernels']:>3} kernels  {v['bytes'] / max(v['packed'], 1):.3f}x packed bytes")
+  if failed: sys.exit("\n".join(failed))
