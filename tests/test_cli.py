@@ -25,6 +25,8 @@ def tg(*args, timeout=600):
   (["generate", "-m", DS3, "-p", "hi", "--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
   (["generate", "-m", str(FIX), "-p", "hi"], "is a directory, expected a .gguf file"),
   (["serve", "-m", DS4, "--kv-cache-dir", "unused-kv-dir", "--port", "1"], "is a deepseek4 model, whose caches"),
+  (["generate", "-m", str(FIX / "gpt2/gpt2-Q8_0.gguf"), "-p", "hi", "--max-context", "300"],
+   "learned positions (position_embd) for 128 tokens, a context of 300 was asked for"),
 ])
 def test_bad_input_is_one_line_exit_2(args, msg):
   r = tg(*args)
@@ -34,3 +36,11 @@ def test_generate_streams_only_the_continuation():
   r = tg("generate", "-m", "smollm2", "-p", "The capital of France is", "-n", "3")
   assert r.returncode == 0, r.stderr
   assert r.stdout.startswith(" Paris") and "capital" not in r.stdout and "tok/s" in r.stderr
+
+def test_default_context_is_the_models_when_smaller_and_a_larger_one_warns():
+  """The default context is 4096 or the model's (64 for the ds3 fixture), silently; a larger one given is honoured with
+  one warning (as llama.cpp's n_ctx > n_ctx_train)."""
+  quiet, loud = tg("generate", "-m", DS3, "-p", "hi", "-n", "2"), tg("generate", "-m", DS3, "-p", "hi", "-n", "2", "--max-context", "100")
+  assert quiet.returncode == 0 and loud.returncode == 0, (quiet.stderr, loud.stderr)
+  assert "trained for" not in quiet.stderr
+  assert loud.stderr.count("ds3-Q4_0.gguf: a context of 100 positions exceeds the 64 the model was trained for") == 1

@@ -10,10 +10,11 @@ from tg_ds4.registry import resolve
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BUDGETS = tomllib.loads((ROOT / "scheduling" / "budgets.toml").read_text())
 FIXTURES = ["deepseek2/ds2lite/ds2lite-Q4_0.gguf", "deepseek2/ds3/ds3-Q4_0.gguf", "deepseek2/glm/glm-Q8_0.gguf", "deepseek2/youtu/youtu-Q8_0.gguf",
-            "deepseek2/ds3k/ds3k-Q4_K_M.gguf", "deepseek4/flash/flash-MXFP4.gguf", "deepseek4/flash/flash-IQ2_XXS.gguf"]
+            "deepseek2/ds3k/ds3k-Q4_K_M.gguf", "deepseek4/flash/flash-MXFP4.gguf", "deepseek4/flash/flash-IQ2_XXS.gguf",
+            "gpt2/gpt2-Q8_0.gguf"]
 BYTES_FILES = {"ds3k-Q4_K_M.gguf", "SmolLM2-135M-Instruct.Q4_1.gguf", "gemma-3-270m-q4_k_m.gguf"}  # realistic dims only
 
-# backend -> (DEV, steps, files): every family lowers for the GPUs (deepseek2's five, deepseek4, gemma3, qwen2)
+# backend -> (DEV, steps, files): every family lowers for the GPUs (deepseek2's five, deepseek4, gpt2, gemma3, qwen2)
 FILES = [str(ROOT / "tests" / "fixtures" / f) for f in FIXTURES]
 REAL = {m: str(resolve(m)) for m in ("smollm2", "gemma3-270m", "qwen2.5-coder-0.5b")}
 GPU_FILES = [f for f in FILES if not f.endswith("flash-IQ2_XXS.gguf")] + [REAL["gemma3-270m"], REAL["qwen2.5-coder-0.5b"]]

@@ -56,12 +56,13 @@ def cmd_logits(args) -> int:
   return 0
 
 def _load(args):
+  from tg_ds4.arch import default_context
   from tg_ds4.gguf import GGUFFile
   from tg_ds4.registry import resolve
   from tg_ds4.runner import Runner
   from tg_ds4.tokenizer import Tokenizer
   gf = GGUFFile(resolve(args.model))
-  return gf, Runner.load(gf, max_ctx=args.max_context or None), Tokenizer.from_gguf(gf)
+  return gf, Runner.load(gf, max_ctx=args.max_context or default_context(gf)), Tokenizer.from_gguf(gf)
 
 def _sampling(args):
   from tg_ds4.sampling import SamplingParams
@@ -171,7 +172,7 @@ def cmd_profile(args) -> int:
 
 def cmd_serve(args) -> int:
   from tg_ds4.server.app import serve
-  if args.max_context is not None and args.max_context < 2: raise UsageError("--max-context must be at least 2")
+  if args.max_context and args.max_context < 2: raise UsageError("--max-context must be at least 2")
   if min(args.max_queue, args.max_body_bytes, args.max_json_depth, args.max_connections, args.max_parsing) < 1:
     raise UsageError("--max-queue, --max-body-bytes, --max-json-depth, --max-connections, --max-parsing: >= 1")
   if not (args.head_timeout > 0 and args.body_timeout > 0): raise UsageError("--head-timeout, --body-timeout: > 0 seconds")
@@ -233,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     s.add_argument("--min-p", type=float, default=0.0, help="0 = off")
     s.add_argument("--seed", type=int, default=None, help="same seed, same text")
-    s.add_argument("--max-context", type=int, default=4096, help="KV cache length (default 4096, capped at the model's)")
+    s.add_argument("--max-context", type=int, default=0, help="KV cache length (default 4096, or the model's context if smaller; "
+                                                                 "past the model's: a warning)")
   s = sub.add_parser("generate", help="continue a prompt, streaming only the generated text to stdout")
   s.add_argument("-m", "--model", default="smollm2", help="path to a .gguf file or a short model name (default smollm2)")
   add_beam(s)
@@ -277,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
   add_beam(s)
   s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
   s.add_argument("--port", type=int, default=8000)
-  s.add_argument("--max-context", type=int, default=4096, help="KV cache length (default 4096, capped at the model's)")
+  s.add_argument("--max-context", type=int, default=0, help="KV cache length (default 4096, or the model's context if smaller; "
+                                                               "past the model's: a warning)")
   s.add_argument("--max-queue", type=int, default=64, help="requests waiting for the worker before new ones get 429 (default 64)")
   s.add_argument("--kv-cache-dir", metavar="DIR", help="persist prompt KV caches here and reuse them across restarts")
   s.add_argument("--kv-cache-size", default="2G", help="size cap of --kv-cache-dir, least recently used files evicted (default 2G)")

@@ -46,12 +46,17 @@ class Arch:
 
 _DEEPSEEK2_AND_DENSE = Arch(ModelConfig, Transformer)
 ARCHS: dict[str, Arch] = {"deepseek2": _DEEPSEEK2_AND_DENSE, "llama": _DEEPSEEK2_AND_DENSE, "qwen2": _DEEPSEEK2_AND_DENSE,
-                          "qwen3": _DEEPSEEK2_AND_DENSE, "gemma3": _DEEPSEEK2_AND_DENSE, "deepseek4": Arch(DS4Config, DS4Transformer)}
+                          "qwen3": _DEEPSEEK2_AND_DENSE, "gemma3": _DEEPSEEK2_AND_DENSE, "gpt2": _DEEPSEEK2_AND_DENSE,
+                          "deepseek4": Arch(DS4Config, DS4Transformer)}
 
 def config_of(gf: GGUFFile) -> Any:
   if (a := ARCHS.get(gf.arch)) is None:
     raise GGUFError(f"{gf.path}: architecture {gf.arch!r} is not supported (supported: {', '.join(ARCHS)})")
   return a.config.from_gguf(gf)
+
+DEFAULT_CONTEXT = 4096  # the CLI's and the server's context when none is given, or the model's when that is smaller
+
+def default_context(gf: GGUFFile) -> int: return min(DEFAULT_CONTEXT, config_of(gf).ctx_len)
 
 def prepare_device(device: str) -> None:
   """Before anything is lowered for `device`: tg_ds4's CPU kernel heuristic when its renderer is a CPU one (threads),
@@ -66,6 +71,8 @@ def load_model(gf: GGUFFile, device: str, max_ctx: int | None = None, llama_cpp_
   of any position), only the model's quality is not. `llama_cpp_activations` rounds quantized-matmul inputs as
   llama.cpp's CPU backend does (see actquant.py)."""
   cfg = config_of(gf)
-  if (max_ctx := max_ctx or cfg.ctx_len) > cfg.ctx_len:
+  if (max_ctx := max_ctx or cfg.ctx_len) > cfg.ctx_len and getattr(cfg, "pos_embd", False):
+    raise GGUFError(f"{gf.path}: learned positions (position_embd) for {cfg.ctx_len} tokens, a context of {max_ctx} was asked for")
+  if max_ctx > cfg.ctx_len:
     logging.getLogger("tg_ds4").warning("%s: a context of %d positions exceeds the %d the model was trained for", gf.path.name, max_ctx, cfg.ctx_len)
   return ARCHS[gf.arch].model.load(cfg, gf, device, max_ctx, llama_cpp_activations)

@@ -15,8 +15,10 @@ class GQA:
   def __init__(self, cfg: ModelConfig, bias: bool = False, qk_norm: bool = False, window: int = 0):
     self.cfg, self.window, H, KV, D = cfg, window, cfg.n_head, cfg.n_kv_head, cfg.head_dim
     if qk_norm: self.attn_q_norm, self.attn_k_norm = RMSNorm(D, cfg.norm_eps), RMSNorm(D, cfg.norm_eps)
-    self.attn_q, self.attn_k, self.attn_v = Linear(cfg.dim, H * D, bias), Linear(cfg.dim, KV * D, bias), Linear(cfg.dim, KV * cfg.v_head_dim, bias)
-    self.attn_output = Linear(H * cfg.v_head_dim, cfg.dim)
+    if cfg.fused_qkv: self.attn_qkv = Linear(cfg.dim, (H + KV) * D + KV * cfg.v_head_dim, bias)  # gpt2: q|k|v rows in one tensor
+    else:
+      self.attn_q, self.attn_k, self.attn_v = Linear(cfg.dim, H * D, bias), Linear(cfg.dim, KV * D, bias), Linear(cfg.dim, KV * cfg.v_head_dim, bias)
+    self.attn_output = Linear(H * cfg.v_head_dim, cfg.dim, cfg.out_bias)
     self.cache: Tensor | None = None
 
   def init_cache(self, max_ctx: int, device: str | None = None, dtype=dtypes.float32):
@@ -26,13 +28,15 @@ class GQA:
   def __call__(self, x: Tensor, start_pos: int | UOp, rope: Tensor) -> Tensor:
     cfg, (B, T, _) = self.cfg, x.shape
     H, KV, D, R = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.rope.dim
-    if hasattr(self, "attn_qk"): q, k = self.attn_qk(x).split([H * D, KV * D], dim=-1)  # fused at load (model.Block.fuse)
-    else: q, k = self.attn_q(x), self.attn_k(x)
-    q, k = q.reshape(B, T, H, D), k.reshape(B, T, KV, D)
+    if hasattr(self, "attn_qkv"): q, k, v = self.attn_qkv(x).split([H * D, KV * D, KV * cfg.v_head_dim], dim=-1)
+    elif hasattr(self, "attn_qk"): (q, k), v = self.attn_qk(x).split([H * D, KV * D], dim=-1), self.attn_v(x)  # fused at load (Block.fuse)
+    else: q, k, v = self.attn_q(x), self.attn_k(x), self.attn_v(x)
+    q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, KV, D), v.reshape(B, T, KV, cfg.v_head_dim)
     if hasattr(self, "attn_q_norm"): q, k = self.attn_q_norm(q), self.attn_k_norm(k)
-    q = apply_rope(q[..., :R], rope, start_pos, cfg.rope.type).cat(q[..., R:], dim=-1) if R < D else apply_rope(q, rope, start_pos, cfg.rope.type)
-    k = apply_rope(k[..., :R], rope, start_pos, cfg.rope.type).cat(k[..., R:], dim=-1) if R < D else apply_rope(k, rope, start_pos, cfg.rope.type)
-    v = self.attn_v(x).reshape(B, T, KV, cfg.v_head_dim)
+    if 0 < R < D:
+      q = apply_rope(q[..., :R], rope, start_pos, cfg.rope.type).cat(q[..., R:], dim=-1)
+      k = apply_rope(k[..., :R], rope, start_pos, cfg.rope.type).cat(k[..., R:], dim=-1)
+    elif R: q, k = apply_rope(q, rope, start_pos, cfg.rope.type), apply_rope(k, rope, start_pos, cfg.rope.type)
     # a chunk's v GEMM as its own kernel: fused into the cache write (beside k's RoPE) it gets no GEMM opts (qwen2.5,
     # 32 tokens: 3.8 ms -> 0.4 ms); one token's GEMV fuses fine and saves a launch
     kv = write_cache(self.cache, k.cat(v.contiguous() if T > 1 else v, dim=-1), start_pos)                     # [B,S,KV,D+Dv]

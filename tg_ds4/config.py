@@ -19,7 +19,8 @@ class RopeType(IntEnum):
   NORM = 0  # rotate adjacent pairs (x[2i], x[2i+1]): llama.cpp's deepseek2 and llama GGUFs
   NEOX = 2  # rotate halves (x[i], x[i+d/2]): qwen2, qwen3, gemma3
 
-ROPE_TYPE = {"deepseek2": RopeType.NORM, "llama": RopeType.NORM, "qwen2": RopeType.NEOX, "qwen3": RopeType.NEOX, "gemma3": RopeType.NEOX}
+ROPE_TYPE = {"deepseek2": RopeType.NORM, "llama": RopeType.NORM, "qwen2": RopeType.NEOX, "qwen3": RopeType.NEOX, "gemma3": RopeType.NEOX,
+             "gpt2": RopeType.NORM}  # gpt2: learned absolute positions, no rotation (rope dim 0)
 SUPPORTED_ARCHS = tuple(ROPE_TYPE)
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class ModelConfig:
   kq_scale: float
   # dense FFN
   ff_dim: int = 0
-  ffn_act: str = "silu"       # gated activation: silu (SwiGLU) or gelu (tanh approximation, GeGLU: gemma)
+  ffn_act: str = "silu"       # silu (SwiGLU) or gelu (tanh approximation: GeGLU for gemma, the plain MLP for gpt2)
   # gemma-style extras
   embed_scale: float = 1.0    # token embeddings are multiplied by this (gemma: sqrt(dim))
   swa_window: int = 0         # sliding-window attention span for the layers in swa_layers (0 = none)
@@ -80,6 +81,12 @@ class ModelConfig:
   sandwich_norm: bool = False      # gemma's norms of the sublayer outputs before the residual add
   fused_gate_up_exps: bool = False  # routed experts' gate|up as one tensor
   expert_bias: bool = False        # the router's selection bias (V3-style `exp_probs_b`)
+  # GPT-2 style (gpt2): learned positions, LayerNorm with bias, one q|k|v tensor, biases everywhere, ungated MLP
+  pos_embd: bool = False           # `position_embd` rows added to the token embeddings (then rope.dim is 0)
+  layer_norm: bool = False         # LayerNorm (mean and variance, weight and bias) instead of RMSNorm
+  fused_qkv: bool = False          # `attn_qkv`: q, k and v rows in one tensor
+  out_bias: bool = False           # `attn_output.bias`
+  ffn_gated: bool = True           # gate|up (SwiGLU/GeGLU); False: up -> act -> down, with `ffn_up.bias`/`ffn_down.bias`
 
   @property
   def mla(self) -> bool: return self.kv_lora_rank > 0
@@ -108,7 +115,9 @@ class ModelConfig:
     kv_lora = int(key("attention.kv_lora_rank", 0))
     head_dim = int(key("attention.key_length_mla", 0) or key("attention.key_length", 0) or dim // n_head)
     v_head_dim = int(key("attention.value_length_mla", 0) or key("attention.value_length", 0) or head_dim)
-    rope_dim = int(key("rope.dimension_count", head_dim))
+    has = lambda name: any(f"blk.{i}.{name}" in gf for i in range(n_layer))
+    pos_embd = "position_embd.weight" in gf
+    rope_dim = 0 if pos_embd else int(key("rope.dimension_count", head_dim))
     ctx_len = int(key("context_length", 4096))
 
     # RoPE scaling, with llama.cpp's constants: linear = interpolate only; YaRN = blend + attention-scale fix
@@ -134,18 +143,18 @@ class ModelConfig:
       pat = key("attention.sliding_window_pattern", 6)
       swa_layers = tuple(bool(v) for v in pat) if isinstance(pat, list) else tuple(pat == 0 or i % pat < pat - 1 for i in range(n_layer))
     gemma = arch == "gemma3"
+    norm_eps = key("attention.layer_norm_rms_epsilon") or key("attention.layer_norm_epsilon", 1e-5)  # RMSNorm / LayerNorm
     # gemma3 scales q by 1/sqrt(head_dim), except the 27B (62 layers): 1/sqrt(dim / n_head)
     attn_scale = 1.0 / math.sqrt(dim / n_head if gemma and n_layer == 62 else head_dim)
 
     n_expert = int(key("expert_count", 0))
-    has = lambda name: any(f"blk.{i}.{name}" in gf for i in range(n_layer))
     gating = key("expert_gating_func", 0)
     if not gating:  # llama.cpp's default for GGUFs without the key: softmax, except GLM-4.7-Flash (sigmoid)
       gating = Gating.SIGMOID if arch == "deepseek2" and n_layer in (47, 48) and n_vocab == 154880 else Gating.SOFTMAX
     return ModelConfig(
       arch=arch, n_layer=n_layer, dim=dim, n_vocab=int(n_vocab), n_head=n_head, n_kv_head=int(n_kv_head), head_dim=head_dim,
-      v_head_dim=v_head_dim, norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)), ctx_len=ctx_len, rope=rope,
-      kq_scale=kq_mscale * kq_mscale * attn_scale, ff_dim=int(key("feed_forward_length", 0)), ffn_act="gelu" if gemma else "silu",
+      v_head_dim=v_head_dim, norm_eps=float(norm_eps), ctx_len=ctx_len, rope=rope,
+      kq_scale=kq_mscale * kq_mscale * attn_scale, ff_dim=int(key("feed_forward_length", 0)), ffn_act="gelu" if gemma or arch == "gpt2" else "silu",
       embed_scale=math.sqrt(dim) if gemma else 1.0, swa_window=swa_window if swa_layers else 0, swa_layers=swa_layers,
       rope_base_swa=float(key("rope.freq_base_swa", 10000.0)), logit_softcap=float(key("final_logit_softcapping", 0.0) or 0.0),
       q_lora_rank=int(key("attention.q_lora_rank", 0) or 0), kv_lora_rank=kv_lora,
@@ -154,5 +163,7 @@ class ModelConfig:
       gating=Gating(int(gating)), expert_weights_norm=bool(key("expert_weights_norm", False)),
       expert_weights_scale=float(key("expert_weights_scale", 0.0) or 1.0),
       n_expert_group=int(key("expert_group_count", 1) or 1), n_expert_group_used=int(key("expert_group_used_count", 1) or 1),
-      attn_bias=has("attn_q.bias"), qk_norm=has("attn_q_norm.weight"), sandwich_norm=has("post_attention_norm.weight"),
-      fused_gate_up_exps=has("ffn_gate_up_exps.weight"), expert_bias=has("exp_probs_b.bias"))
+      attn_bias=has("attn_q.bias") or has("attn_qkv.bias"), qk_norm=has("attn_q_norm.weight"), sandwich_norm=has("post_attention_norm.weight"),
+      fused_gate_up_exps=has("ffn_gate_up_exps.weight"), expert_bias=has("exp_probs_b.bias"),
+      pos_embd=pos_embd, layer_norm=has("attn_norm.bias"), fused_qkv=has("attn_qkv.weight"), out_bias=has("attn_output.bias"),
+      ffn_gated=n_expert > 0 or has("ffn_gate.weight") or not has("ffn_up.weight"))

@@ -113,6 +113,11 @@ class RMSNorm:
     sq = x.square().unsqueeze(-2).expand(*x.shape, x.shape[-1]) if per_element else x.square()
     return x * (sq.mean(-1, keepdim=not per_element) + self.eps).rsqrt() * as_tensor(self.weight)
 
+class LayerNorm:
+  """GPT-2's norm: (x - mean) / sqrt(var + eps) * weight + bias, over the last axis."""
+  def __init__(self, dim: int, eps: float): self.weight, self.bias, self.eps = Param(dim), Param(dim), eps
+  def __call__(self, x: Tensor) -> Tensor: return x.float().layernorm(eps=self.eps) * as_tensor(self.weight) + as_tensor(self.bias)
+
 class Embedding:
   def __init__(self, n_vocab: int, dim: int): self.weight: Weight | Param = Param(n_vocab, dim)
   def __call__(self, tokens: Tensor | UOp) -> Tensor:

@@ -11,28 +11,30 @@ from tg_ds4 import actquant
 from tg_ds4.attention import GQA
 from tg_ds4.config import ModelConfig
 from tg_ds4.gguf import GGUFError, GGUFFile
-from tg_ds4.layers import Embedding, Linear, RMSNorm, fusable, fuse_rows, load_weights, widen_for_cpu
+from tg_ds4.layers import Embedding, LayerNorm, Linear, RMSNorm, fusable, fuse_rows, load_weights, widen_for_cpu
 from tg_ds4.mla import MLA
 from tg_ds4.moe import FFN, MoE
+from tg_ds4.quant import QTensor
 from tg_ds4.rope import rope_table
 
 
 class Block:
   def __init__(self, cfg: ModelConfig, i: int):
     self.swa = cfg.is_swa_layer(i)
-    self.attn_norm, self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps), RMSNorm(cfg.dim, cfg.norm_eps)
+    Norm = LayerNorm if cfg.layer_norm else RMSNorm
+    self.attn_norm, self.ffn_norm = Norm(cfg.dim, cfg.norm_eps), Norm(cfg.dim, cfg.norm_eps)
     if cfg.sandwich_norm:  # gemma's sandwich norms: the sublayer outputs are normed before the residual add
       self.post_attention_norm, self.post_ffw_norm = RMSNorm(cfg.dim, cfg.norm_eps), RMSNorm(cfg.dim, cfg.norm_eps)
     self.attn = MLA(cfg) if cfg.mla else GQA(cfg, bias=cfg.attn_bias, qk_norm=cfg.qk_norm, window=cfg.swa_window * self.swa)
     if cfg.is_moe_layer(i): self.ffn = MoE(cfg, fused_gate_up=cfg.fused_gate_up_exps, has_bias=cfg.expert_bias)
-    else: self.ffn = FFN(cfg.dim, cfg.ff_dim, act=cfg.ffn_act)
+    else: self.ffn = FFN(cfg.dim, cfg.ff_dim, act=cfg.ffn_act, gated=cfg.ffn_gated)
 
   def fuse(self) -> None:
     """Dense GQA blocks: q|k as one GEMV, gate|up as one GEMV. A fused kernel of the gate and up GEMVs (tinygrad's
     choice) keeps vector accumulators for only one of its two reductions and runs at ~1.3 GB/s; one GEMV over the
     stacked rows runs at ~6 GB/s but needs the activation as a kernel of its own. Fusing q|k pays that kernel back, so
     both happen or neither does (the block's kernel budget holds)."""
-    if self.attn.__class__ is not GQA or self.ffn.__class__ is not FFN: return
+    if self.attn.__class__ is not GQA or self.ffn.__class__ is not FFN or hasattr(self.attn, "attn_qkv") or not self.ffn.gated: return
     a, f = self.attn, self.ffn
     if fusable(a.attn_q, a.attn_k) and fusable(f.ffn_gate, f.ffn_up):
       a.attn_qk, f.ffn_gate_up = fuse_rows(a.attn_q, a.attn_k), fuse_rows(f.ffn_gate, f.ffn_up)
@@ -60,8 +62,9 @@ class Transformer:
   def __init__(self, cfg: ModelConfig):
     self.cfg = cfg
     self.token_embd = Embedding(cfg.n_vocab, cfg.dim)
+    if cfg.pos_embd: self.position_embd = Embedding(cfg.ctx_len, cfg.dim)
     self.blk = [Block(cfg, i) for i in range(cfg.n_layer)]
-    self.output_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+    self.output_norm = (LayerNorm if cfg.layer_norm else RMSNorm)(cfg.dim, cfg.norm_eps)
     self.output = Linear(cfg.dim, cfg.n_vocab)
 
   @classmethod
@@ -77,7 +80,11 @@ class Transformer:
     for b in model.blk: b.fuse()
     model.max_ctx, model.llama_cpp_activations = max_ctx, llama_cpp_activations
     rows = max_ctx + cls.PREFILL_CHUNK  # slack for the padded tail of the last prefill chunk
-    model.rope = rope_table(cfg.rope, rows, device)
+    model.rope = rope_table(cfg.rope, rows, device) if cfg.rope.dim else None
+    if cfg.pos_embd:  # float rows, with zero rows for a padded chunk's tail past the last position
+      w = model.position_embd.weight
+      w = w.dequant(dtypes.float32) if isinstance(w, QTensor) else w.float()
+      model.pos_rows = w.pad(((0, rows - cfg.ctx_len), None)).contiguous().realize()
     model.rope_swa = rope_table(dataclasses.replace(cfg.rope, base=cfg.rope_base_swa), rows, device) if cfg.swa_layers else None
     for b in model.blk: b.attn.init_cache(rows, device)
     return model
@@ -89,6 +96,7 @@ class Transformer:
     with actquant.llama_cpp_activations(self.llama_cpp_activations):
       x = self.token_embd(tokens)
       if self.cfg.embed_scale != 1.0: x = x * self.cfg.embed_scale
+      if self.cfg.pos_embd: x = x + self.pos_rows[start_pos:start_pos + x.shape[1]].unsqueeze(0)
       for b in self.blk: x = b(x, start_pos, self.rope_swa if b.swa else self.rope)
       if last_only: x = x[:, -1:]
       if select is not None: x = (x * select).sum(1, keepdim=True)

@@ -47,11 +47,15 @@ def _swiglu(g: Tensor, u: Tensor, act: str = "silu") -> Tensor:
 class FFN:
   """SwiGLU: down(silu(gate(x)) * up(x)) (GeGLU with gelu-tanh for gemma). Also the shared expert (`*_shexp`)."""
   gguf_flat = True
-  def __init__(self, dim: int, hidden: int, suffix: str = "", act: str = "silu"):
-    self.suffix, self.act = suffix, act
+  def __init__(self, dim: int, hidden: int, suffix: str = "", act: str = "silu", gated: bool = True):
+    self.suffix, self.act, self.gated = suffix, act, gated
+    if not gated:  # gpt2: down(gelu(up(x))), both with biases
+      self.ffn_up, self.ffn_down = Linear(dim, hidden, bias=True), Linear(hidden, dim, bias=True)
+      return
     for n, (i, o) in {"gate": (dim, hidden), "up": (dim, hidden), "down": (hidden, dim)}.items(): setattr(self, f"ffn_{n}{suffix}", Linear(i, o))
   def __call__(self, x: Tensor) -> Tensor:
     s = self.suffix
+    if not self.gated: return self.ffn_down(self.ffn_up(x).gelu().contiguous())  # materialised: see _swiglu
     if hasattr(self, "ffn_gate_up"):  # fused at load (model.Block.fuse): one GEMV, then the activation as its own kernel,
       g, u = self.ffn_gate_up(x).split(2 * [self.ffn_up.weight.shape[0]], dim=-1)  # else ffn_down recomputes it per row
       return self.ffn_down(((g.gelu() if self.act == "gelu" else g.silu()) * u).contiguous())

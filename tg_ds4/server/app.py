@@ -76,6 +76,7 @@ def load(model: str, max_context: int | None, kv_cache_dir: str | None = None, k
          max_queue: int = 64, warmup: bool = True) -> Served:
   """Tokenizer and template here; model and KV store on the worker's thread (see Worker). Returns once the model is
   loaded (a bad file raises here); the warm-up compile runs on while the server already answers /health."""
+  from tg_ds4.arch import default_context
   from tg_ds4.chat import Template
   from tg_ds4.gguf import GGUFFile
   from tg_ds4.runner import Runner
@@ -87,7 +88,7 @@ def load(model: str, max_context: int | None, kv_cache_dir: str | None = None, k
   gf = GGUFFile(path)
   tok, t0 = Tokenizer.from_gguf(gf), time.perf_counter()
   def load_runner():
-    runner = Runner.load(gf, max_ctx=max_context or None)
+    runner = Runner.load(gf, max_ctx=max_context or default_context(gf))
     kv = KVStore(kv_cache_dir, model_fingerprint(path, runner.cache_layout()), kv_cache_size, kv_cache_min_tokens) if kv_cache_dir else None
     return runner, kv
   worker = Worker(load_runner, max_queue, warmup=(tok.encode("Hello, world", add_special=True) or [0]) if warmup else None).start().wait_loaded()
