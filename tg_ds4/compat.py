@@ -2,7 +2,7 @@
 replay (`replay.FastCPUReplay`) read and patch tinygrad privates of one release. On another release they stay off (one
 warning) and the stock tinygrad path runs: slower on the CPU, never wrong. `TG_DS4_KERNEL_OPTS=0` and
 `TG_DS4_FAST_REPLAY=0` turn each off by hand. Nothing here patches anything: `kernel_opts.install` does, when a model
-is loaded for a CPU renderer (arch.load_model), never on import."""
+is loaded for a CPU renderer (arch.prepare_device, from Runner.load), never on import."""
 import functools, importlib.metadata, logging, os
 
 TINYGRAD = "0.14.0"  # the release the internals below were written against (pyproject pins it)
