@@ -16,9 +16,9 @@ DEV = os.environ.get("DEV", "CPU")
 compat.lowering_target(DEV)  # before tinygrad opens the device
 
 from tinygrad import Context, Device, GlobalCounters, Tensor, UOp, dtypes  # noqa: E402
-from tinygrad.helpers import PARALLEL  # noqa: E402
 
 from tg_ds4.arch import Model  # noqa: E402
+from tg_ds4.compat import PARALLEL  # noqa: E402
 from tg_ds4.ds4 import DS4Transformer  # noqa: E402
 from tg_ds4.layers import packed_weights  # noqa: E402
 from tg_ds4.quant import QTensor  # noqa: E402

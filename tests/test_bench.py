@@ -2,7 +2,7 @@
 import json, pathlib
 
 from tg_ds4 import bench
-from tg_ds4.replay import engine_threads
+from tg_ds4.backend.cpu.replay import engine_threads
 
 def test_bench_report_fields():
   path = pathlib.Path(__file__).parent / "fixtures" / "deepseek2" / "ds3" / "ds3-Q4_0.gguf"

@@ -14,7 +14,7 @@ from tinygrad.renderer.cstyle import ClangRenderer
 hooks = lambda: [heuristic.hand_coded_optimizations, cg.memory_coalescing, worker._init_worker, ClangRenderer.extra_matcher]
 stock = hooks()
 if sys.argv[1] == "old": import importlib.metadata as md; real = md.version; md.version = lambda n: "0.13.0" if n == "tinygrad" else real(n)
-import tg_ds4, tg_ds4.runner, tg_ds4.server.app, tg_ds4.kernel_opts  # everything, the heuristic's own module included
+import tg_ds4, tg_ds4.runner, tg_ds4.server.app, tg_ds4.backend.cpu.kernel_opts, tg_ds4.backend.cpu.replay  # all, CPU ones too
 after_import = [a is b for a, b in zip(hooks(), stock)]
 from tg_ds4.runner import Runner
 from tg_ds4.compat import fast_replay_on
@@ -45,3 +45,14 @@ def test_another_tinygrad_release_runs_stock_with_one_warning():
 def test_a_device_without_a_cpu_renderer_stays_stock():
   res, _ = probe("cpu", dev="NULL")
   assert res["import"] == [True] * 4 and res["load"] == [True] * 4
+
+def test_tinygrad_internals_are_imported_in_compat_only():
+  """One seam: outside compat.py, tg_ds4 imports only what the tinygrad package itself exports."""
+  import ast
+  root, seen = pathlib.Path(__file__).parents[1], []
+  for p in [*(root / "tg_ds4").rglob("*.py"), *(root / "scheduling").glob("*.py"), *(root / "profiles").glob("*.py")]:
+    if p.name == "compat.py": continue
+    for node in ast.walk(ast.parse(p.read_text())):
+      names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+      seen += [f"{p.relative_to(root)}: {n}" for n in names if n.startswith("tinygrad.")]
+  assert not seen, seen

@@ -1,4 +1,4 @@
-"""tg_ds4.kernel_opts: what the CPU heuristic changes, checked on the kernels tinygrad builds for our matmuls (the
+"""tg_ds4.backend.cpu.kernel_opts: what the CPU heuristic changes, checked on the kernels tinygrad builds for our matmuls (the
 speed of each choice is measured in the module's docstring and the README, not here)."""
 import functools
 
@@ -10,11 +10,11 @@ from tinygrad.codegen.opt.postrange import Scheduler
 import tinygrad.codegen as cg
 from tinygrad.uop.ops import AxisType, Ops, UOp, graph_rewrite
 
-from tg_ds4 import kernel_opts
+from tg_ds4.backend.cpu import kernel_opts
 from tg_ds4.quant import QTYPE_BY_NAME, QTensor, linear
 
 @pytest.fixture(autouse=True, scope="module")
-def installed():  # as when a CPU model is loaded (arch.prepare_device); the rendering tests read the installed rewrites
+def installed():  # as when a CPU model is loaded (backend.prepare_device); the rendering tests read the installed rewrites
   kernel_opts.install()
 
 def kernel_sinks(t: Tensor) -> list[UOp]:

@@ -92,7 +92,7 @@ def test_dequant_matches_gguf(qt):
   else: np.testing.assert_array_max_ulp(got, ref, maxulp=1)
 
 def test_q5_0_as_q8_0_same_values():
-  """The CPU re-encoding of Q5_0 weights (layers.widen_for_cpu) keeps every value: gguf-py's Q5_0 dequantization of the
+  """The CPU re-encoding of Q5_0 weights (backend/cpu/widen.py) keeps every value: gguf-py's Q5_0 dequantization of the
   original bytes equals its Q8_0 dequantization of the new ones, bit for bit."""
   qt = QTYPE_BY_NAME["Q5_0"]
   b = rand_blocks(qt, (6,), 8, np.random.default_rng(5))
@@ -103,7 +103,7 @@ def test_q5_0_as_q8_0_same_values():
 
 @pytest.mark.parametrize("name", ("Q6_K", "Q4_K"))
 def test_widened_k_quant_same_values(name):
-  """The CPU re-encoding of K-quant weights (layers.widen_for_cpu) keeps every value: the widened blocks dequantize to
+  """The CPU re-encoding of K-quant weights (backend/cpu/widen.py) keeps every value: the widened blocks dequantize to
   gguf-py's values of the original bytes bit for bit, and a GEMV over them agrees with one over the original to float
   rounding (the sums run in another order)."""
   qt, rng = QTYPE_BY_NAME[name], np.random.default_rng(7)

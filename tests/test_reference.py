@@ -39,7 +39,7 @@ def dequantized_twin(m: Transformer) -> Transformer:
   return m
 
 def file_formats(path) -> Transformer:
-  """The model with the file's own packed formats (no CPU widening, `layers.widen_for_cpu`), for gguf-py to dequantize."""
+  """The model with the file's own packed formats (no CPU widening, `backend/cpu/widen.py`), for gguf-py to dequantize."""
   old = os.environ.get("TG_DS4_WIDEN")
   os.environ["TG_DS4_WIDEN"] = "0"
   try: return Runner.load(path, max_ctx=64)

@@ -1,4 +1,4 @@
-"""tg_ds4.replay.Jit: the fast CPU replay runs exactly what tinygrad's executor runs. Logits bitwise equal at every
+"""tg_ds4.jit.Jit on the CPU: the fast CPU replay (backend/cpu/replay.py) runs exactly what tinygrad's executor runs. Logits bitwise equal at every
 position (the position is symbolic), the same GlobalCounters per step, the same generated tokens."""
 import pathlib
 
@@ -7,7 +7,7 @@ import pytest
 from tinygrad import GlobalCounters
 
 from tg_ds4.runner import Runner
-from tg_ds4.replay import FastCPUReplay
+from tg_ds4.backend.cpu.replay import FastCPUReplay
 from tg_ds4.sampling import SamplingParams
 
 FIX = pathlib.Path(__file__).parent / "fixtures"
@@ -44,7 +44,7 @@ def test_argument_addresses_equal_tinygrads(path):
   """The replay computes the memory plan's views' addresses itself (no view Buffers built): each equals tinygrad's."""
   from tinygrad.engine.realize import get_call_arg_uops
   from tinygrad.uop.ops import Ops
-  from tg_ds4.replay import _address, _is_input
+  from tg_ds4.backend.cpu.replay import _address, _is_input
   m = Runner.load(path, max_ctx=64)
   m.decode(3, 0)
   args = [b for call in m._jits["decode"].captured.linear.src if call.src[0].op is Ops.PROGRAM

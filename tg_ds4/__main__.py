@@ -154,7 +154,7 @@ def cmd_profile(args) -> int:
   from tg_ds4 import profile
   from tg_ds4.bench import read_bandwidth
   from tg_ds4.registry import resolve
-  from tg_ds4.replay import engine_threads
+  from tg_ds4.backend.cpu.replay import engine_threads
   from tg_ds4.runner import Runner
   if (args.pos is not None and args.pos < 0) or args.repeat < 1: raise UsageError("--pos >= 0 and --repeat >= 1")
   path = resolve(args.model)

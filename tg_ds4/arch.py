@@ -8,9 +8,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tinygrad import Device, Tensor, UOp
+from tinygrad import Tensor, UOp
 
-from tg_ds4 import compat
 from tg_ds4.config import ModelConfig
 from tg_ds4.ds4 import DS4Config, DS4Transformer
 from tg_ds4.gguf import GGUFError, GGUFFile
@@ -57,13 +56,6 @@ def config_of(gf: GGUFFile) -> Any:
 DEFAULT_CONTEXT = 4096  # the CLI's and the server's context when none is given, or the model's when that is smaller
 
 def default_context(gf: GGUFFile) -> int: return min(DEFAULT_CONTEXT, config_of(gf).ctx_len)
-
-def prepare_device(device: str) -> None:
-  """Before anything is lowered for `device`: tg_ds4's CPU kernel heuristic when its renderer is a CPU one (threads),
-  unless compat.py says it stays off. Other devices run stock tinygrad."""
-  if getattr(Device[device].renderer, "has_threads", False) and compat.kernel_opts_on():
-    from tg_ds4 import kernel_opts  # CPU GEMVs keep their lane accumulators without a row upcast (see kernel_opts)
-    kernel_opts.install()
 
 def load_model(gf: GGUFFile, device: str, max_ctx: int | None = None, llama_cpp_activations: bool = False) -> Model:
   """The model of `gf`: config, weights (packed, mmapped), caches for `max_ctx` positions (default: the file's context).

@@ -10,7 +10,7 @@ from tinygrad import GlobalCounters
 
 from tg_ds4.runner import Runner
 from tg_ds4.registry import cache_dir, resolve
-from tg_ds4.replay import engine_threads
+from tg_ds4.backend.cpu.replay import engine_threads
 from tg_ds4.tokenizer import Tokenizer
 
 TEXT = ("The ocean covers most of the planet and holds most of its water. Its currents move heat from the equator toward "

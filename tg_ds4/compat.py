@@ -1,15 +1,47 @@
-"""Whether tg_ds4's changes to tinygrad's internals apply: the CPU kernel heuristic (`kernel_opts`) and the native
-replay (`replay.FastCPUReplay`) read and patch tinygrad privates of one release. On another release they stay off (one
-warning) and the stock tinygrad path runs: slower on the CPU, never wrong. `TG_DS4_KERNEL_OPTS=0` and
-`TG_DS4_FAST_REPLAY=0` turn each off by hand. Nothing here patches anything: `kernel_opts.install` does, when a model
-is loaded for a CPU renderer (arch.prepare_device, from Runner.load), never on import."""
+"""The one seam between tg_ds4 and tinygrad's internals: every tinygrad name used beyond the package's public exports
+(`from tinygrad import Tensor, UOp, ...`) is imported here and nowhere else, and the release they were written against
+is checked here.
+
+Two groups. The graph and buffer internals (Buffer, Ops, the JIT's capture, dtype conversions) are what any device
+needs; they have been stable across releases and a change there is an error at import. The CPU machinery's
+(backend/cpu: the kernel heuristic patches tinygrad's codegen, the native replay calls compiled CPU programs itself)
+are used only when a model is loaded for the CPU, and only on the release below: on another one, or when they cannot
+be imported, both stay off (one warning) and the stock tinygrad path runs, slower on the CPU, never wrong.
+`TG_DS4_KERNEL_OPTS=0` and `TG_DS4_FAST_REPLAY=0` turn each off by hand. Nothing here patches anything:
+backend.prepare_device does, when a model is loaded for a CPU renderer, never on import."""
 import functools, importlib.metadata, logging, os
+
+# graph and buffer internals, for every device
+from tinygrad.device import Buffer, BufferSpec, Compiler  # noqa: F401
+from tinygrad.dtype import DType, _from_np_dtype, _to_np_dtype  # noqa: F401
+from tinygrad.engine import realize  # noqa: F401  (profile times kernels through realize.track_stats)
+from tinygrad.engine.jit import CapturedJit, JitError, _copy_input, _TinyJit  # noqa: F401
+from tinygrad.function import function  # noqa: F401
+from tinygrad.helpers import DEBUG, NUM_CPU_THREADS, PARALLEL, PROFILE, ContextVar, GlobalCounters, perf_counter_us, prod, to_tuple  # noqa: F401
+from tinygrad.uop.ops import AxisType, Ops, PatternMatcher, UOp, UPat, buffers, sym_infer  # noqa: F401
+
+# the CPU machinery's (backend/cpu), used only when internals_match()
+try:
+  import tinygrad.codegen as codegen  # noqa: F401
+  from tinygrad.codegen.opt import KernelOptError, Opt, OptOps, heuristic  # noqa: F401
+  from tinygrad.codegen.opt.postrange import Scheduler  # noqa: F401
+  from tinygrad.engine import worker  # noqa: F401
+  from tinygrad.engine.realize import ExecContext, _resolve, estimate_uop, get_call_arg_uops, get_runtime, pm_exec, track_stats  # noqa: F401
+  from tinygrad.renderer.cstyle import ClangRenderer  # noqa: F401
+  from tinygrad.runtime.ops_cpu import MAX_ARGS, CPUProgram  # noqa: F401
+  _CPU_IMPORT_ERROR: str | None = None
+except (ImportError, AttributeError) as e:  # another release moved something
+  _CPU_IMPORT_ERROR = str(e)
 
 TINYGRAD = "0.14.0"  # the release the internals below were written against (pyproject pins it)
 
 @functools.cache
 def internals_match() -> bool:
-  if (v := importlib.metadata.version("tinygrad")) == TINYGRAD: return True
+  if (v := importlib.metadata.version("tinygrad")) == TINYGRAD and _CPU_IMPORT_ERROR is None: return True
+  if v == TINYGRAD:
+    logging.getLogger("tg_ds4").warning("tinygrad %s: %s; tg_ds4's CPU kernel heuristic and native replay are off, stock tinygrad runs",
+                                        v, _CPU_IMPORT_ERROR)
+    return False
   logging.getLogger("tg_ds4").warning("tinygrad %s is installed, tg_ds4's CPU kernel heuristic and native replay were written for %s: "
                                       "both are off, stock tinygrad runs", v, TINYGRAD)
   return False
@@ -35,7 +67,6 @@ def lowering_target(dev: str) -> None:
     try: import tinygrad.runtime.ops_metal  # noqa: F401  (macOS: the real compiler)
     except Exception:  # noqa: BLE001  (it loads libobjc / Metal frameworks at import)
       import sys, types
-      from tinygrad.device import Compiler
       class MetalSourceCompiler(Compiler):
         def __init__(self): super().__init__(None)
         def compile(self, src: str) -> bytes: return src.encode()

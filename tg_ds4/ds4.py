@@ -39,9 +39,9 @@ import functools, math
 from dataclasses import dataclass
 
 from tinygrad import Tensor, UOp, dtypes
-from tinygrad.function import function
 
 from tg_ds4 import actquant
+from tg_ds4.compat import function
 from tg_ds4.config import Gating, RopeConfig, RopeType
 from tg_ds4.gguf import GGUFError, GGUFFile
 from tg_ds4.layers import Embedding, Linear, Param, Params, RMSNorm, load_weights, matmul

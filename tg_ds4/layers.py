@@ -11,14 +11,11 @@ import dataclasses
 import numpy as np
 
 from tinygrad import Tensor, UOp, dtypes
-from tinygrad.device import Buffer, BufferSpec
-from tinygrad.dtype import _from_np_dtype, _to_np_dtype
-from tinygrad.helpers import prod
-from tinygrad.uop.ops import Ops
 
 from tg_ds4.actquant import round_activations
+from tg_ds4.compat import Buffer, BufferSpec, Ops, _from_np_dtype, _to_np_dtype, prod
 from tg_ds4.gguf import GGUFError, GGUFFile
-from tg_ds4.quant import K_WIDENED, QTensor, Weight, as_tensor, linear, q5_0_as_q8_0, widen_k_quant
+from tg_ds4.quant import QTensor, Weight, as_tensor, linear
 
 
 class Param:
@@ -162,20 +159,6 @@ def packed_weights(obj):
   for k, v in list(enumerate(obj) if isinstance(obj, list) else vars(obj).items()):
     if isinstance(v, QTensor): yield obj, k, v
     elif isinstance(v, list) or _is_module(v): yield from packed_weights(v)
-
-WIDEN_K_MAX_EXTRA = 1 << 30  # K-quant widening is skipped when it would add more bytes than this (a big model)
-
-def widen_for_cpu(model) -> None:
-  """Dense Linear weights in formats whose bit fields cost tinygrad's CPU code more than their bytes, re-encoded with
-  identical values: Q5_0 as Q8_0 (`quant.q5_0_as_q8_0`, 1.55x the bytes, a GEMV 2.5x faster per weight) and, when the
-  extra memory stays under WIDEN_K_MAX_EXTRA, Q6_K and Q4_K as int8 with float32 sub-block scales
-  (`quant.widen_k_quant`, 1.5x / 2.2x the bytes). A per-device choice: `Transformer.load` makes it on CPU."""
-  ws = [(o, w) for o, attr, w in packed_weights(model) if isinstance(o, Linear) and attr == "weight"]
-  for owner, w in ws:
-    if w.qtype.name == "Q5_0": owner.weight = q5_0_as_q8_0(w)
-  k = [(o, w) for o, w in ws if w.qtype.name in K_WIDENED]
-  if sum(prod(w.shape) * K_WIDENED[w.qtype.name].nbytes // K_WIDENED[w.qtype.name].block - w.nbytes for _, w in k) <= WIDEN_K_MAX_EXTRA:
-    for owner, w in k: owner.weight = widen_k_quant(w)
 
 def load_weights(model, gf: GGUFFile, device: str | None = None, rename: dict[str, str] | None = None) -> None:
   """Replace every Param below `model` by the GGUF tensor of the same name, checking shapes."""

@@ -3,15 +3,15 @@
 Module attributes carry GGUF tensor names, so `load_weights` fills them with packed tensors straight from the file."""
 from __future__ import annotations
 
-import dataclasses, os
+import dataclasses
 
 from tinygrad import Tensor, UOp, dtypes
 
-from tg_ds4 import actquant
+from tg_ds4 import actquant, backend
 from tg_ds4.attention import GQA
 from tg_ds4.config import ModelConfig
 from tg_ds4.gguf import GGUFError, GGUFFile
-from tg_ds4.layers import Embedding, LayerNorm, Linear, RMSNorm, fusable, fuse_rows, load_weights, widen_for_cpu
+from tg_ds4.layers import Embedding, LayerNorm, Linear, RMSNorm, fusable, fuse_rows, load_weights
 from tg_ds4.mla import MLA
 from tg_ds4.moe import FFN, MoE
 from tg_ds4.quant import QTensor
@@ -75,8 +75,7 @@ class Transformer:
     for i, b in enumerate(model.blk):
       if cfg.mla and f"blk.{i}.attn_k_b.weight" not in gf: _split_kv_b(b.attn, gf, i, device)
     load_weights(model, gf, device, rename)
-    # see widen_for_cpu; not under llama_cpp_activations, which rounds a matmul's input by the file's weight format
-    if device.startswith("CPU") and os.environ.get("TG_DS4_WIDEN", "1") != "0" and not llama_cpp_activations: widen_for_cpu(model)
+    backend.prepare_model(model, device, llama_cpp_activations)
     for b in model.blk: b.fuse()
     model.max_ctx, model.llama_cpp_activations = max_ctx, llama_cpp_activations
     rows = max_ctx + cls.PREFILL_CHUNK  # slack for the padded tail of the last prefill chunk

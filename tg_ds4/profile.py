@@ -1,7 +1,7 @@
 """`tg_ds4 profile`: one decode step (and optionally one prefill chunk) timed kernel by kernel, each kernel attributed
 to its block and to an op (attn q, scores, softmax, experts, ...), written as CSV, JSON and a PNG chart.
 
-The step is the same capture (tg_ds4.replay.Jit) the engine replays, captured without graph batching so each kernel is its own
+The step is the same capture (tg_ds4.jit.Jit) the engine replays, captured without graph batching so each kernel is its own
 launch, then replayed with synchronous per-kernel timing (through tinygrad's executor: a kernel split over cores runs
 its parts one after another, so the times are one core's; the wall time is the engine's multi-core replay). tinygrad
 does not carry tensor provenance into kernels, so a kernel is attributed by the buffers it reads: module attributes
@@ -15,11 +15,10 @@ import contextlib, csv, io, json, pathlib, re, statistics, time
 from collections import defaultdict
 
 from tinygrad import Context, Tensor, UOp, dtypes
-from tinygrad.engine import realize
-from tinygrad.uop.ops import Ops, sym_infer
 
+from tg_ds4.compat import Ops, realize, sym_infer
+from tg_ds4.jit import Jit
 from tg_ds4.layers import named_tensors
-from tg_ds4.replay import Jit
 from tg_ds4.sampling import greedy
 
 # (pattern on the tensor name, op); the first op in this list that any read buffer maps to wins, so a kernel that

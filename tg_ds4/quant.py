@@ -25,11 +25,9 @@ from typing import Any, Callable
 
 import numpy as np
 from tinygrad import Tensor, UOp, dtypes
-from tinygrad.dtype import DType
-from tinygrad.helpers import prod
-from tinygrad.uop.ops import Ops
 
 from tg_ds4.actquant import round_activations
+from tg_ds4.compat import DType, Ops, prod
 
 # ---------------------------------------------------------------- layouts
 

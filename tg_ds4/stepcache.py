@@ -23,11 +23,9 @@ import contextlib, dataclasses, functools, hashlib, io, json, logging, os, pathl
 from dataclasses import dataclass
 
 import numpy as np
-from tinygrad.dtype import _to_np_dtype
-from tinygrad.device import Buffer, Device
-from tinygrad.helpers import ContextVar
-from tinygrad.uop.ops import Ops, UOp, buffers
+from tinygrad import Device
 
+from tg_ds4.compat import Buffer, ContextVar, Ops, UOp, _to_np_dtype, buffers
 from tg_ds4.layers import named_tensors
 from tg_ds4.registry import cache_dir
 

@@ -25,14 +25,10 @@ accumulator chain (`acc + a + b`), so results are bitwise the same. Kernels tune
 import collections, functools, logging, pathlib, platform
 from dataclasses import dataclass
 
-import tinygrad.codegen
-from tinygrad.codegen.opt import KernelOptError, Opt, OptOps, heuristic
-from tinygrad.codegen.opt.postrange import Scheduler
-from tinygrad.dtype import dtypes
-from tinygrad.engine import worker
-from tinygrad.helpers import prod
-from tinygrad.renderer.cstyle import ClangRenderer
-from tinygrad.uop.ops import AxisType, Ops, PatternMatcher, UOp, UPat
+from tinygrad import dtypes
+
+from tg_ds4.compat import AxisType, ClangRenderer, KernelOptError, Opt, OptOps, Ops, PatternMatcher, Scheduler, UOp, UPat, codegen, heuristic, \
+  prod, worker
 
 LANES = 16
 # a packed format whose lane axis is shorter than LANES (IQ2_XXS: a grid row of 8) still gains from dropping the row
@@ -68,7 +64,7 @@ def detect() -> VectorUnit:
 CPU = detect()  # read at each use, so a test can force another CPU kind
 UNPACK_ROWS = 16
 _hand_coded, _init_tinygrad_worker = heuristic.hand_coded_optimizations, worker._init_worker
-_tinygrad_coalescing = tinygrad.codegen.memory_coalescing
+_tinygrad_coalescing = codegen.memory_coalescing
 _clang_extra = ClangRenderer.extra_matcher
 
 def _weight(k: Scheduler) -> UOp:  # the operand that streams from memory: the largest buffer
@@ -221,6 +217,6 @@ def install():
   """Idempotent. tinygrad looks the heuristic up in its module for each kernel, so this takes effect for new kernels,
   also in tinygrad's compile workers: they are spawned processes, started with this module's initializer."""
   heuristic.hand_coded_optimizations = cpu_heuristic
-  tinygrad.codegen.memory_coalescing = _memory_coalescing
+  codegen.memory_coalescing = _memory_coalescing
   worker._init_worker = _init_worker
   ClangRenderer.extra_matcher = _clang_extra + _ADDRESSES

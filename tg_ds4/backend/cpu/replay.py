@@ -1,4 +1,4 @@
-"""`Jit`: tinygrad's TinyJit with a native, multi-core replay on the CPU device.
+"""A captured step's native, multi-core replay on the CPU device (`fast`, used by jit.Jit for CPU models).
 
 tinygrad 0.14's CPU device has no graph executor: a replayed TinyJit walks its captured calls in Python, resolving
 buffers, symbolic sizes and statistics for every kernel (~23 us each, ~9 ms of a 400-kernel decode step), and it calls
@@ -11,20 +11,14 @@ not a plain CPU kernel goes through tinygrad's executor as before, and so does e
 `TG_DS4_THREADS` sets the thread count (default: tinygrad's NUM_CPU_THREADS, the parts a kernel is split into)."""
 from __future__ import annotations
 
-import collections, ctypes, functools, hashlib, logging, os, pathlib, subprocess, tempfile
+import collections, ctypes, functools, hashlib, os, pathlib, subprocess, tempfile
 from dataclasses import dataclass
 
-from tinygrad.engine.jit import CapturedJit, JitError, _copy_input, _TinyJit
-from tinygrad.engine.realize import ExecContext, _resolve, estimate_uop, get_call_arg_uops, get_runtime, pm_exec, track_stats
-from tinygrad.helpers import DEBUG, NUM_CPU_THREADS, PROFILE, GlobalCounters, perf_counter_us, to_tuple
-from tinygrad.runtime.ops_cpu import MAX_ARGS, CPUProgram
-from tinygrad.uop.ops import Ops, UOp
-
-from tg_ds4 import compat
+from tg_ds4.compat import (DEBUG, MAX_ARGS, NUM_CPU_THREADS, PROFILE, CapturedJit, CPUProgram, ExecContext, GlobalCounters, Ops, UOp,
+                           _copy_input, _resolve, estimate_uop, get_call_arg_uops, get_runtime, perf_counter_us, pm_exec, to_tuple,
+                           track_stats)
 from tg_ds4.registry import cache_dir
-from tg_ds4.stepcache import StepCache
 
-log = logging.getLogger("tg_ds4")
 
 def engine_threads() -> int:
   """Threads a replayed CPU step runs on (the roofline in `bench` and `profile` is measured with as many)."""
@@ -141,34 +135,9 @@ def _runner_available() -> bool:
   try: return _runner() is not None
   except (OSError, subprocess.CalledProcessError): return False
 
-class Jit(_TinyJit):
-  """TinyJit whose capture is replayed by FastCPUReplay (same kernels, same order, same results).
-
-  With a step cache and a step name, a capture saved by an earlier process is loaded instead of capturing, and a new
-  capture is saved. It captures on its first call (TinyJit runs a first call uncaptured, then captures the second: two
-  schedules for one step, and a step run once, like a short prompt's prefill chunk, never captured at all)."""
-  holds_model_state = False  # its capture refers to the model's buffers; layers.named_tensors names them from the model
-  def __init__(self, fxn, cache: StepCache | None = None, name: str | None = None):
-    super().__init__(fxn)
-    self.cache, self.name, self.cnt = cache, name, 1
-    self.loaded = False
-
-  def _fast(self, c: CapturedJit) -> CapturedJit:
-    if type(c) is not CapturedJit or not compat.fast_replay_on() or not _runner_available(): return c
-    fast = FastCPUReplay(c.ret, c._linear, c.expected_names, c.expected_input_info)
-    if "_written_uops" in c.__dict__: fast.__dict__["_written_uops"] = c.__dict__["_written_uops"]  # (saved with a cached step)
-    return fast
-
-  def __call__(self, *args, **kwargs):
-    if self.captured is None and self.cache is not None and (c := self.cache.load(self.name)) is not None:
-      self.captured, self.cnt, self.loaded = self._fast(c), 2, True
-    try: ret = super().__call__(*args, **kwargs)
-    except JitError:
-      if not self.loaded or self.cnt != 2: raise
-      log.warning("step cache: %s does not fit this call; capturing it again", self.name)  # inputs of another shape or dtype
-      self.captured, self.cnt, self.loaded = None, 1, False
-      ret = super().__call__(*args, **kwargs)
-    if type(c := self.captured) is CapturedJit:
-      if self.cache is not None and not self.loaded: self.cache.save(self.name, c)
-      self.captured = self._fast(c)
-    return ret
+def fast(c: CapturedJit) -> CapturedJit:
+  """`c` replayed natively, when the runner builds (clang); else `c`."""
+  if type(c) is not CapturedJit or not _runner_available(): return c
+  f = FastCPUReplay(c.ret, c._linear, c.expected_names, c.expected_input_info)
+  if "_written_uops" in c.__dict__: f.__dict__["_written_uops"] = c.__dict__["_written_uops"]  # (saved with a cached step)
+  return f

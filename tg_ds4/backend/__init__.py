@@ -1,0 +1,36 @@
+"""What differs per device, behind one seam. For the CPU (backend/cpu): tinygrad's kernel heuristic patched for
+quantized GEMVs and chunk GEMMs (kernel_opts), captured steps replayed by a native multi-core runner (replay,
+cpu_runner.c), and some weight formats re-encoded for the CPU's code (widen). Each is installed when a model is loaded
+for the CPU, never on import, and only where compat.py says tinygrad's internals are the ones they were written for.
+Every other device runs stock tinygrad."""
+from __future__ import annotations
+
+import os
+
+from tinygrad import Device
+
+from tg_ds4 import compat
+from tg_ds4.compat import CapturedJit
+
+def on_cpu(device: str | None) -> bool: return (device or Device.DEFAULT).split(":")[0] == "CPU"
+
+def prepare_device(device: str) -> None:
+  """Before anything is lowered for `device`: the CPU kernel heuristic when its renderer is a CPU one (threads; the
+  CPU device, or NULL lowering for it), unless compat.py says it stays off."""
+  if getattr(Device[device].renderer, "has_threads", False) and compat.kernel_opts_on():
+    from tg_ds4.backend.cpu import kernel_opts  # CPU GEMVs keep their lane accumulators without a row upcast (see kernel_opts)
+    kernel_opts.install()
+
+def prepare_model(model, device: str, llama_cpp_activations: bool) -> None:
+  """After the weights are loaded: on the CPU, dense weights in formats its code handles slowly re-encoded with the same
+  values (widen.py; `TG_DS4_WIDEN=0` keeps the file's formats). Not under llama_cpp_activations, which rounds a matmul's
+  input by the file's weight format."""
+  if on_cpu(device) and os.environ.get("TG_DS4_WIDEN", "1") != "0" and not llama_cpp_activations:
+    from tg_ds4.backend.cpu.widen import widen_for_cpu
+    widen_for_cpu(model)
+
+def replay(captured: CapturedJit, device: str | None) -> CapturedJit:
+  """How a captured step is replayed on `device`: natively on the CPU (backend/cpu/replay.py), else as tinygrad does."""
+  if not on_cpu(device) or not compat.fast_replay_on(): return captured
+  from tg_ds4.backend.cpu import replay as cpu_replay
+  return cpu_replay.fast(captured)
