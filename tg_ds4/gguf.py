@@ -129,8 +129,20 @@ class GGUFFile:
       weakref.finalize(raw.uop.buffer, lambda m: None, mm)  # the mapping lives as long as any view of it
       # float32 kernels load 8 floats at offsets that divide by 8 (kernel_opts): a file aligned to less gets a copy
       if info.qtype.name == "F32" and (mm.ctypes.data + info.offset) % 32: raw = raw.clone().realize()
-    else: raw = Tensor(info.path)[info.offset:info.offset + info.nbytes].to(device)
+    else: raw = self._upload(info, device)
     return QTensor(raw.reshape(info.block_shape), info.qtype, info.shape)
+
+  def _upload(self, info: TensorInfo, device: str):
+    """The tensor's bytes read from the file in bounded pieces into a buffer on `device` (layers.device_buffer)."""
+    from tinygrad import Tensor, UOp, dtypes
+    from tg_ds4.layers import device_buffer
+    with open(info.path, "rb", buffering=0) as f:
+      def fill(piece: memoryview, off: int) -> None:
+        f.seek(info.offset + off)
+        got = 0
+        while got < len(piece) and (n := f.readinto(piece[got:])): got += n
+        if got < len(piece): raise GGUFError(f"{info.path}: tensor {info.name!r} ends past the end of the file")
+      return Tensor(UOp.from_buffer(device_buffer(device, info.nbytes, dtypes.uint8, fill)))
 
   def tensors(self, device: str | None = None) -> dict[str, QTensor]:
     return {name: self.tensor(name, device) for name in self.infos}

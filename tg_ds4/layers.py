@@ -7,6 +7,7 @@ parameters in their parent's namespace, as GGUF does (`blk.3.attn_q_a`, not `blk
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -69,11 +70,28 @@ def host_tensor(a: np.ndarray, device: str) -> Tensor:
   buf.copy_from(Buffer("PYTHON", a.size, buf.dtype, opaque=memoryview(a.reshape(-1)).cast("B")))
   return Tensor(UOp.from_buffer(buf)).reshape(a.shape)
 
+UPLOAD_PIECE = 64 << 20  # host bytes per copy onto a device: a load never holds a host copy of a whole weight or cache
+
+def device_buffer(device: str, size: int, dtype, fill: Callable[[memoryview, int], None] | None = None) -> Buffer:
+  """A realized buffer of `size` elements on `device`, written in pieces of at most UPLOAD_PIECE bytes through one host
+  staging buffer: `fill(piece, offset)` writes the bytes from byte `offset` into `piece`; without it, zeros. Loading
+  onto a GPU thus holds the device copy and one piece on the host, not a second copy of the file (tinygrad's own
+  disk-to-device copy maps the whole file and touches every page of it)."""
+  buf, nbytes = Buffer(device, size, dtype).ensure_allocated(), size * dtype.itemsize
+  step = UPLOAD_PIECE // dtype.itemsize * dtype.itemsize
+  stage = np.zeros(min(nbytes, step), np.uint8)
+  for off in range(0, nbytes, step):
+    piece = memoryview(stage)[:min(step, nbytes - off)]
+    if fill is not None: fill(piece, off)
+    dst = buf if len(piece) == nbytes else buf.view(len(piece) // dtype.itemsize, dtype, off).ensure_allocated()
+    dst.copy_from(Buffer("PYTHON", len(piece) // dtype.itemsize, dtype, opaque=piece.cast("B")))
+  return buf
+
 def zeros(shape: tuple[int, ...], dtype, device: str) -> Tensor:
   """A realized zero tensor (a cache) without a kernel. On the CPU a `zero` buffer is fresh anonymous memory, zero by the
   OS (tinygrad never hands it out of its reuse cache), and its pages stay unmapped until written: a cache's unused
-  context costs no memory. Elsewhere a host copy of zeros."""
-  if not str(device).startswith("CPU"): return host_tensor(np.zeros(shape, _to_np_dtype(dtype)), device)
+  context costs no memory. Elsewhere zeros copied in bounded pieces (device_buffer)."""
+  if not str(device).startswith("CPU"): return Tensor(UOp.from_buffer(device_buffer(device, prod(shape), dtype))).reshape(shape)
   buf = Buffer(device, prod(shape), dtype, options=BufferSpec(zero=True)).ensure_allocated()
   return Tensor(UOp.from_buffer(buf)).reshape(shape)
 
