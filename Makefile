@@ -4,8 +4,6 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODEL ?= smollm2
-# the suite is mostly single-threaded Python (lowering): one pytest worker per core, a test file per worker
-TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 PROMPT ?= The three most important things to know about the ocean are
 
 .PHONY: run test lint install clean
@@ -14,7 +12,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
