@@ -56,3 +56,23 @@ def test_tinygrad_internals_are_imported_in_compat_only():
       names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
       seen += [f"{p.relative_to(root)}: {n}" for n in names if n.startswith("tinygrad.")]
   assert not seen, seen
+
+RECYCLE = r"""
+import sys
+from tinygrad import Tensor
+lower = lambda n: (Tensor.ones(n, n).contiguous().sum(1).softmax() + 1).realize()  # several kernels: compiled in the pool
+lower(60)                                        # tinygrad's pool starts, with tinygrad's own worker initializer
+from tg_ds4.runner import Runner
+Runner.load(sys.argv[1], max_ctx=32)             # installs the CPU heuristic
+for n in range(61, 67): lower(n)                 # workers recycled after every task (BEAM_MAX_TASKS_PER_CHILD=1)
+print("done")
+"""
+
+def test_a_compile_pool_started_before_a_model_load_keeps_working():
+  """A pool started before the heuristic was installed respawned its workers with tinygrad's initializer, which could no
+  longer be pickled by name once ours replaced it: the pool's worker thread died and the next compile waited forever
+  (seen as a hung suite). install() now shuts such a pool down."""
+  r = subprocess.run([sys.executable, "-c", RECYCLE, str(DS3)], capture_output=True, text=True, timeout=120,
+                     env={**os.environ, "DEV": "CPU", "PARALLEL": "2", "BEAM_MAX_TASKS_PER_CHILD": "1", "TG_DS4_STEP_CACHE": "0"})
+  assert r.returncode == 0 and r.stdout.strip().endswith("done"), r.stderr[-3000:]
+  assert "PicklingError" not in r.stderr, r.stderr[-3000:]

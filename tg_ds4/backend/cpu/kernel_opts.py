@@ -215,7 +215,11 @@ def _memory_coalescing(sink: UOp, ren) -> UOp:
 
 def install():
   """Idempotent. tinygrad looks the heuristic up in its module for each kernel, so this takes effect for new kernels,
-  also in tinygrad's compile workers: they are spawned processes, started with this module's initializer."""
+  also in tinygrad's compile workers: they are spawned processes, started with this module's initializer. A pool that
+  already runs (something was lowered before the model was loaded) is shut down first: its workers run the stock
+  heuristic, and one it respawned later (tinygrad recycles a worker after 16 tasks) would fail to pickle the stock
+  initializer, whose name then names ours, killing the pool's worker thread: the next compile waited forever."""
+  if heuristic.hand_coded_optimizations is not cpu_heuristic: worker.terminate_worker_pool()
   heuristic.hand_coded_optimizations = cpu_heuristic
   codegen.memory_coalescing = _memory_coalescing
   worker._init_worker = _init_worker
