@@ -5,3 +5,19 @@ import os, pathlib, sys
 
 os.environ["DEV"] = "CPU"  # before anything imports tinygrad
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+# *** background jobs: tests marked `background(job)` read the result of a subprocess started when collection finishes
+# (tinygrad's PYTHON device emulating a GPU: single-threaded, minutes each). They run last, so the rest of the suite,
+# which keeps ~1.25 of 2 cores busy, overlaps them.
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "background(job): reads module.BACKGROUND[job]'s subprocess result; runs last")
+
+def pytest_collection_modifyitems(session, config, items):
+  bg = [i for i in items if i.get_closest_marker("background")]
+  items[:] = [i for i in items if not i.get_closest_marker("background")] + bg
+
+def pytest_collection_finish(session):
+  if session.config.option.collectonly: return
+  for item in session.items:
+    if (m := item.get_closest_marker("background")) is not None: item.module.start_job(m.args[0])

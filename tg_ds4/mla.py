@@ -10,6 +10,7 @@ from tinygrad import Device, Tensor, UOp, dtypes
 from tg_ds4.config import ModelConfig
 from tg_ds4.layers import Linear, Param, Params, RMSNorm, zeros
 from tg_ds4.actquant import round_activations
+from tg_ds4.precision import matmul_dtype
 from tg_ds4.quant import QTensor, Weight, dot_lanes, linear
 from tg_ds4.rope import apply_rope
 
@@ -38,7 +39,7 @@ def _absorb(x: Tensor, w: Weight) -> Tensor:
   does for the chunk GEMMs: contracted packed, every head's weight would be unpacked once per token (0.06 GB/s on a
   V2-Lite-shaped chunk). The input is still rounded as llama.cpp rounds it for the packed format, when asked to."""
   if x.shape[-2] == 1 or not (isinstance(w, QTensor) and w.qtype.quantized): return linear(x, w)
-  return linear(round_activations(x, w.qtype.name), w.dequant(dtypes.float32).contiguous())
+  return linear(round_activations(x, w.qtype.name), w.dequant(matmul_dtype()).contiguous())
 
 class MLA:
   gguf_flat = True

@@ -7,7 +7,7 @@ import dataclasses
 
 from tinygrad import Tensor, UOp, dtypes
 
-from tg_ds4 import actquant, backend
+from tg_ds4 import actquant, backend, precision
 from tg_ds4.attention import GQA
 from tg_ds4.config import ModelConfig
 from tg_ds4.gguf import GGUFError, GGUFFile
@@ -77,7 +77,7 @@ class Transformer:
     load_weights(model, gf, device, rename)
     backend.prepare_model(model, device, llama_cpp_activations)
     for b in model.blk: b.fuse()
-    model.max_ctx, model.llama_cpp_activations = max_ctx, llama_cpp_activations
+    model.max_ctx, model.llama_cpp_activations, model.precision = max_ctx, llama_cpp_activations, precision.for_device(device)
     rows = max_ctx + cls.PREFILL_CHUNK  # slack for the padded tail of the last prefill chunk
     model.rope = rope_table(cfg.rope, rows, device) if cfg.rope.dim else None
     if cfg.pos_embd:  # float rows, with zero rows for a padded chunk's tail past the last position
@@ -85,14 +85,14 @@ class Transformer:
       w = w.dequant(dtypes.float32) if isinstance(w, QTensor) else w.float()
       model.pos_rows = w.pad(((0, rows - cfg.ctx_len), None)).contiguous().realize()
     model.rope_swa = rope_table(dataclasses.replace(cfg.rope, base=cfg.rope_base_swa), rows, device) if cfg.swa_layers else None
-    for b in model.blk: b.attn.init_cache(rows, device)
+    for b in model.blk: b.attn.init_cache(rows, device, model.precision.cache)
     return model
 
   def forward(self, tokens: Tensor | UOp, start_pos: int | UOp, last_only: bool = False, select: Tensor | None = None) -> Tensor:
     """tokens `[1, T]` int32 (or one token as a bound variable) at positions start_pos.. -> logits `[1, T, vocab]`;
     `[1, 1, vocab]` for the last position
     (last_only) or for the position picked by the one-hot `select` `[1, T, 1]` (a JIT input, unlike a Python index)."""
-    with actquant.llama_cpp_activations(self.llama_cpp_activations):
+    with actquant.llama_cpp_activations(self.llama_cpp_activations), precision.matmuls_in(self.precision.matmul):
       x = self.token_embd(tokens)
       if self.cfg.embed_scale != 1.0: x = x * self.cfg.embed_scale
       if self.cfg.pos_embd: x = x + self.pos_rows[start_pos:start_pos + x.shape[1]].unsqueeze(0)

@@ -10,6 +10,7 @@ from tinygrad import Tensor, dtypes
 
 from tg_ds4.config import Gating, ModelConfig
 from tg_ds4.layers import Linear, Param, Params
+from tg_ds4.precision import matmuls_in
 from tg_ds4.quant import as_tensor, linear
 
 
@@ -75,7 +76,8 @@ class MoE:
 
   def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
     """x `[B,T,D]` -> (expert ids `[B,T,k]` int32, weights `[B,T,k]`)."""
-    cfg, logits = self.cfg, self.ffn_gate_inp(x)
+    with matmuls_in(dtypes.float32): logits = self.ffn_gate_inp(x)  # the expert choice in float32 at any precision
+    cfg = self.cfg
     probs = {Gating.SOFTMAX: lambda: logits.softmax(-1), Gating.SIGMOID: lambda: logits.sigmoid(), Gating.SOFTMAX_WEIGHT: lambda: logits,
              Gating.SQRT_SOFTPLUS: lambda: logits.softplus().sqrt()}[cfg.gating]()
     sel = probs + as_tensor(self.exp_probs_b.bias) if hasattr(self, "exp_probs_b") else probs

@@ -28,6 +28,7 @@ from tinygrad import Tensor, UOp, dtypes
 
 from tg_ds4.actquant import round_activations
 from tg_ds4.compat import DType, Ops, prod
+from tg_ds4.precision import matmul_dtype
 
 # ---------------------------------------------------------------- layouts
 
@@ -445,7 +446,7 @@ LANES = 16       # accumulators per row in a GEMV: 16 float32 = one 512-bit vect
 LANES_MAX_ROWS = 8  # x rows per weight matrix up to which `linear` uses the lanes form (measured: 5x at 1 row, 2.5x at 8,
                     # 0.5x at 16 and 32, where the plain matmul form is better)
 
-def linear(x: Tensor, w: Weight, bias: Weight | None = None, dtype: DType = dtypes.float32) -> Tensor:
+def linear(x: Tensor, w: Weight, bias: Weight | None = None, dtype: DType | None = None) -> Tensor:
   """`x @ w.T (+ bias)` with `w` `[out, in]` (or `[E, out, in]` after an expert gather, then x is `[E, ..., in]`).
   The dequantization is part of the same lazy graph, so a GEMV is one kernel that reads only packed bytes. Quantized
   weights are contracted in their load order, with x permuted to match. For a GEMV (one weight matrix or a gather of
@@ -453,31 +454,33 @@ def linear(x: Tensor, w: Weight, bias: Weight | None = None, dtype: DType = dtyp
   positions of the layout's lane axis, then over those lanes. The first sum keeps one accumulator per lane, which the C
   compiler turns into vector multiply-adds; a plain dot product is one chain of dependent scalar adds (float addition
   is not reassociated). Under `actquant.llama_cpp_activations()`, x is first rounded the way llama.cpp rounds the
-  input of a matmul with this weight type."""
+  input of a matmul with this weight type. `dtype`: that of x and the dequantized weight (default precision.matmul_dtype(),
+  float32 unless the model asks for half); accumulation and the result are float32 either way."""
+  dtype, f32 = dtype or matmul_dtype(), dtypes.float32
   if isinstance(w, QTensor): x = round_activations(x, w.qtype.name)
   if isinstance(w, QTensor) and w.qtype.quantized:
     lay, qt = w.qtype.layout, w.qtype
     v, k = w.loaded(dtype), len(lay.order) + 1                                    # v: [*lead, out, nb, *layout]
     xl = lay.to_load(x.cast(dtype).reshape(*x.shape[:-1], w.shape[-1] // qt.block, qt.block))   # [..., nb, *layout]
     rows = prod(x.shape[:-2 - (w.ndim - 2)]) * x.shape[-2] if x.ndim >= 2 else 1  # per weight matrix: not the axes matching w's leading ones
-    if not isinstance(rows, int) or rows > LANES_MAX_ROWS: y = xl.flatten(-k) @ v.flatten(-k).transpose(-1, -2)
+    if not isinstance(rows, int) or rows > LANES_MAX_ROWS: y = xl.flatten(-k).matmul(v.flatten(-k).transpose(-1, -2), dtype=f32)
     else:
       p = xl.unsqueeze(-k - 1) * v.unsqueeze(-k - 2)                              # [..., T, out, nb, *layout]
       li, n = p.ndim - k + 1 + lay.order.index(lay.lane), lay.n[lay.lane]
       wd = max(d for d in range(1, min(lay.lanes or LANES, n) + 1) if n % d == 0)
       p = p.reshape(*p.shape[:li], n // wd, wd, *p.shape[li + 1:])
       p = p.permute(*(i for i in range(p.ndim) if i != li + 1), li + 1)          # the lanes last, the rest in load order
-      y = p.sum(tuple(range(p.ndim - k - 1, p.ndim - 1))).sum(-1)
+      y = p.sum(tuple(range(p.ndim - k - 1, p.ndim - 1)), dtype=f32).sum(-1)
   elif len(w.shape) == 2 and w.shape[-1] % LANES == 0 and isinstance(rows := prod(x.shape[:-1]), int) and rows <= LANES_MAX_ROWS:
     y = dot_lanes(x.cast(dtype), as_tensor(w, dtype))  # a float GEMV (V4's F16 compressor, router, hyper-connections)
-  else: y = x.cast(dtype) @ as_tensor(w, dtype).transpose(-1, -2)
-  return y if bias is None else y + as_tensor(bias, dtype)
+  else: y = x.cast(dtype).matmul(as_tensor(w, dtype).transpose(-1, -2), dtype=f32)
+  return y if bias is None else y + as_tensor(bias, f32)
 
 def dot_lanes(q: Tensor, k: Tensor) -> Tensor:
   """`q @ k.T` over the last axis. For a few query rows (decode) as quant.linear's GEMV: per output, LANES partial sums
   (position i into lane i % LANES), then their sum; the plain form is one chain of dependent adds per score, which
   costs V2-Lite's 16 heads x 576-wide latent scores ~1 ms per layer, 6x the lanes form."""
   n = q.shape[-1]
-  if n % LANES: return q @ k.transpose(-1, -2)
+  if n % LANES: return q.matmul(k.transpose(-1, -2), dtype=dtypes.float32)
   p = q.unsqueeze(-2) * k.unsqueeze(-3)                                                  # [..., T, S, n]
-  return p.reshape(*p.shape[:-1], n // LANES, LANES).sum(-2).sum(-1)
+  return p.reshape(*p.shape[:-1], n // LANES, LANES).sum(-2, dtype=dtypes.float32).sum(-1)
