@@ -21,3 +21,6 @@ def pytest_collection_finish(session):
   if session.config.option.collectonly: return
   for item in session.items:
     if (m := item.get_closest_marker("background")) is not None: item.module.start_job(m.args[0])
+
+def pytest_sessionfinish(session):
+  if (m := sys.modules.get("test_devices")) is not None: m.stop_jobs()

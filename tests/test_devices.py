@@ -67,6 +67,15 @@ BACKGROUND = {"ds3-f32": (DS3, "Q4_0", "logits_hfdq_Q4_0.npy", 3, {"TG_DS4_PRECI
               "ds4-f32": (DS4, "MXFP4", "logits_hf.npy", 2, {})}
 _jobs: dict[str, tuple[threading.Event, pathlib.Path]] = {}
 _queue: queue.Queue = queue.Queue()
+_running: list[subprocess.Popen] = []
+_lock, _stopping = threading.Lock(), threading.Event()
+
+def stop_jobs() -> None:
+  """At the session's end (conftest): no job is left running or started after it (the run stopped early: -x, ctrl-c)."""
+  with _lock:
+    _stopping.set()
+    for proc in _running:
+      if proc.poll() is None: proc.kill()
 
 def _run_jobs() -> None:  # one after another on one core: the suite itself keeps the other busy
   while True:
@@ -76,9 +85,11 @@ def _run_jobs() -> None:  # one after another on one core: the suite itself keep
     try:
       with open(out / "log", "w") as log:
         args = [str(fam / man["ggufs"][q]["file"]), json.dumps(man["token_ids"][:n]), str(out / "rows.npy")]
-        r = subprocess.run([sys.executable, "-c", DECODE, *args],
-                           stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "DEV": "PYTHON", "TG_DS4_STEP_CACHE": "0", **env}, timeout=1800)
-      (out / "rc").write_text(str(r.returncode))
+        with _lock:
+          if _stopping.is_set(): raise RuntimeError("the session ended first")
+          _running.append(proc := subprocess.Popen([sys.executable, "-c", DECODE, *args], stdout=log, stderr=subprocess.STDOUT,
+                                                   env={**os.environ, "DEV": "PYTHON", "TG_DS4_STEP_CACHE": "0", **env}))
+        (out / "rc").write_text(str(proc.wait(timeout=1800)))
     except Exception as e:  # noqa: BLE001  (the test reports it)
       (out / "rc").write_text(f"{type(e).__name__}: {e}")
     finally: done.set()
