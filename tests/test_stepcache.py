@@ -121,3 +121,10 @@ def test_two_cold_processes_at_once(tmp_path):
   assert n == 1 and f"{n} entries" in listed and "greedy" in listed  # a short prompt: only the per-token step and DS3.name in listed, listed
   cleared = subprocess.run([sys.executable, "-m", "tg_ds4", "cache", "--clear"], capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
   assert f"removed {n} step cache entries" in cleared.stdout and not list((tmp_path / "steps").iterdir())
+
+def test_a_step_is_saved_once_with_tinygrads_replay(cache, monkeypatch):
+  """With tinygrad's own replay (as on every device but the CPU) a capture was saved again on every call: per token."""
+  monkeypatch.setenv("TG_DS4_FAST_REPLAY", "0")
+  e = Runner.load(str(DS3), max_ctx=64)
+  for i, t in enumerate(PROMPT): e.decode(t, i)
+  assert type(e._jits["decode"].captured).__name__ == "CapturedJit" and e.step_cache.saved == 1, e.step_cache.saved

@@ -20,18 +20,21 @@ class Jit(_TinyJit):
   def __init__(self, fxn, cache: StepCache | None = None, name: str | None = None, device: str | None = None):
     super().__init__(fxn)
     self.cache, self.name, self.device, self.cnt = cache, name, device, 1
-    self.loaded = False
+    self.loaded, self._ready = False, None  # _ready: the capture already saved and handed to the backend
 
   def __call__(self, *args, **kwargs):
     if self.captured is None and self.cache is not None and (c := self.cache.load(self.name)) is not None:
-      self.captured, self.cnt, self.loaded = backend.replay(c, self.device), 2, True
+      self.captured = self._ready = backend.replay(c, self.device)
+      self.cnt, self.loaded = 2, True
     try: ret = super().__call__(*args, **kwargs)
     except JitError:
       if not self.loaded or self.cnt != 2: raise
       log.warning("step cache: %s does not fit this call; capturing it again", self.name)  # inputs of another shape or dtype
       self.captured, self.cnt, self.loaded = None, 1, False
       ret = super().__call__(*args, **kwargs)
-    if type(c := self.captured) is CapturedJit:
-      if self.cache is not None and not self.loaded: self.cache.save(self.name, c)
-      self.captured = backend.replay(c, self.device)
+    # once per capture: where the backend keeps tinygrad's replay (not the CPU, or TG_DS4_FAST_REPLAY=0) the capture
+    # stays a CapturedJit, and a type test here saved the step to disk again on every call
+    if (c := self.captured) is not None and c is not self._ready:
+      if type(c) is CapturedJit and self.cache is not None and not self.loaded: self.cache.save(self.name, c)
+      self.captured = self._ready = backend.replay(c, self.device)
     return ret
