@@ -38,10 +38,11 @@ from __future__ import annotations
 import functools, math
 from dataclasses import dataclass
 
+import numpy as np
 from tinygrad import Tensor, UOp, dtypes
 
-from tg_ds4 import actquant
-from tg_ds4.compat import function
+from tg_ds4 import actquant, precision
+from tg_ds4.compat import DType, function
 from tg_ds4.config import Gating, RopeConfig, RopeType
 from tg_ds4.gguf import GGUFError, GGUFFile
 from tg_ds4.layers import Embedding, Linear, Param, Params, RMSNorm, load_weights, matmul
@@ -50,6 +51,7 @@ from tg_ds4.quant import QTensor, Weight, as_tensor, dot_lanes, linear
 from tg_ds4.rope import apply_rope, rope_table
 
 NEG = -3.4028234663852886e38  # float32 min: masked logits stay finite, so fully masked rows softmax to numbers
+POS_BASE = 2048  # the raw ring's position columns: every integer below it is exact in float16
 
 @dataclass(frozen=True)
 class DS4Config:
@@ -212,7 +214,8 @@ class HyperConn:
     llama.cpp's rounding of a quantized fn's input is emulated (real files store fn F16), normalised first (flag True)."""
     B, T, hc, D = x.shape
     flat, w = x.reshape(B * T, hc * D), getattr(self, f"{self.name}_fn").weight
-    if isinstance(w, QTensor) and w.qtype.name != "F32" and actquant.enabled(): return linear(rms0(flat, self.cfg.norm_eps), w), True
+    if isinstance(w, QTensor) and w.qtype.name != "F32" and actquant.enabled():
+      return linear(rms0(flat, self.cfg.norm_eps), w, dtype=dtypes.float32), True
     rows = as_tensor(w).expand(B * T, *w.shape).cat(flat.unsqueeze(1) / (hc * D), dim=1)          # [B*T, mix+1, hc*D]
     return dot_lanes(flat.unsqueeze(1), rows).squeeze(1), False
 
@@ -280,11 +283,12 @@ class Compressor:
 
   def n_cand(self, T: int) -> int: return 1 if T == 1 else (T - 1) // self.R + 2  # windows a chunk of T tokens touches
 
-  def init_cache(self, max_ctx: int, chunk: int, device: str):
+  def init_cache(self, max_ctx: int, chunk: int, device: str, dtype: DType):
     R, F = self.R, self.coff * self.D
     S = R * (self.coff + -(-chunk // R))   # previous window (overlap), the pending one, and one chunk of slack
+    # the state ring (pending projections, a fixed few rows) stays float32: its scores are softmax logits
     self.state = Tensor.zeros(1, S, F, device=device).cat(Tensor.full((1, S, F), NEG, device=device), dim=-1).contiguous().realize()
-    self.rows = Tensor.zeros(1, max_ctx // R + self.n_cand(chunk) + 1, self.D, device=device).contiguous().realize()
+    self.rows = Tensor.zeros(1, max_ctx // R + self.n_cand(chunk) + 1, self.D, dtype=dtype, device=device).contiguous().realize()
 
   def __call__(self, x: Tensor, start_pos: int | UOp, table: Tensor) -> Tensor:
     """x `[B, T, dim]` (the attention input) -> the compressed-row cache after this chunk, `[1, n, D]`, n symbolic."""
@@ -332,16 +336,23 @@ class DS4Attention:
     if ratio: self.compressor = Compressor(cfg, "attn_compressor", ratio, D)
     if ratio == 4: self.indexer, self.idx_compressor = Indexer(cfg), Compressor(cfg, "indexer_compressor", ratio, cfg.idx_head_dim)
 
-  def init_cache(self, max_ctx: int, chunk: int, device: str):
-    # raw rows carry their position in one extra column, written with the row: only for `rewind_check` (masks are
-    # arithmetic on start_pos); -1 = never written
+  def init_cache(self, max_ctx: int, chunk: int, device: str, dtype: DType):
+    # raw rows carry their position in two extra columns written with the row, `p % POS_BASE` and `p // POS_BASE` (each
+    # exact in float16): only for `check_resume` (masks are arithmetic on start_pos); -1 = never written
+    assert max_ctx + chunk < POS_BASE ** 2, f"context {max_ctx} beyond the raw ring's position columns"
     S = self.cfg.window + chunk
-    self.raw = Tensor.zeros(1, S, self.cfg.head_dim, device=device).cat(Tensor.full((1, S, 1), -1.0, device=device), dim=-1).contiguous().realize()
-    for c in ("compressor", "idx_compressor"):
-      if hasattr(self, c): getattr(self, c).init_cache(max_ctx, chunk, device)
+    never = Tensor.full((1, S, 1), -1.0, device=device).cat(Tensor.zeros(1, S, 1, device=device), dim=-1)
+    self.raw = Tensor.zeros(1, S, self.cfg.head_dim, device=device).cat(never, dim=-1).cast(dtype).contiguous().realize()
+    if hasattr(self, "compressor"): self.compressor.init_cache(max_ctx, chunk, device, dtype)
+    # the indexer's keys stay float32: its scores make a discrete choice (top-k), like the router's
+    if hasattr(self, "idx_compressor"): self.idx_compressor.init_cache(max_ctx, chunk, device, dtypes.float32)
 
   def select(self, x: Tensor, qr: Tensor, start_pos: int | UOp, tabs: Tables, ok: Tensor) -> Tensor:
-    """Indexer: which compressed rows each query attends, `[T, n]` bool (`ok`: the rows it may see)."""
+    """Indexer: which compressed rows each query attends, `[T, n]` bool (`ok`: the rows it may see). Float32 at any
+    precision: the top-k is a discrete choice (half-rounded scores flip near-ties), like the router's."""
+    with precision.matmuls_in(dtypes.float32): return self._select(x, qr, start_pos, tabs, ok)
+
+  def _select(self, x: Tensor, qr: Tensor, start_pos: int | UOp, tabs: Tables, ok: Tensor) -> Tensor:
     cfg, (B, T, _) = self.cfg, x.shape
     keys = self.idx_compressor(x, start_pos, tabs.comp)[0]                                       # [n, Di]
     q = rope_tail(self.indexer.attn_q_b(qr).reshape(B, T, cfg.idx_n_head, cfg.idx_head_dim), tabs.comp, start_pos)
@@ -357,7 +368,8 @@ class DS4Attention:
     q = rope_tail(rms0(self.attn_q_b(qr).reshape(B, T, H, D), cfg.norm_eps), table, start_pos)
     kv = rope_tail(self.attn_kv_a_norm(self.attn_kv(x)), table, start_pos)                    # [B, T, D]: K and V
     qpos = (Tensor.arange(T) + start_pos).reshape(T, 1)
-    raw = ring_write(self.raw, kv.cat(qpos.float().reshape(1, T, 1), dim=-1), start_pos)[0, :, :D]  # [S, D]
+    pos = (qpos % POS_BASE).cat(qpos // POS_BASE, dim=-1).float().reshape(1, T, 2)
+    raw = ring_write(self.raw, kv.cat(pos, dim=-1), start_pos)[0, :, :D]                       # [S, D]
     held = ring_positions(raw.shape[0], start_pos + T - 1).reshape(1, -1)
     keys, ok = raw, (held >= 0) & (held <= qpos) & (held > qpos - cfg.window)                  # [T, S]
     if self.ratio:
@@ -394,7 +406,8 @@ class DS4MoE(MoE):
 
   def route(self, x: Tensor, tokens: Tensor | UOp | None = None) -> tuple[Tensor, Tensor]:
     if not hasattr(self, "ffn_gate_tid2eid"): return super().route(x)
-    cfg, probs = self.cfg, self.ffn_gate_inp(x).softplus().sqrt()
+    with precision.matmuls_in(dtypes.float32): logits = self.ffn_gate_inp(x)  # float32 at any precision, as MoE.route
+    cfg, probs = self.cfg, logits.softplus().sqrt()
     t = self.ffn_gate_tid2eid.weight
     ids = (t[tokens:tokens + 1] if isinstance(tokens, UOp) else t[tokens])
     ids = (ids.dequant(dtypes.int32) if isinstance(ids, QTensor) else ids.cast(dtypes.int32)).reshape(*x.shape[:-1], cfg.n_expert_used)
@@ -455,19 +468,19 @@ class DS4Transformer:
   def load(cls, cfg: DS4Config, gf: GGUFFile, device: str, max_ctx: int, llama_cpp_activations: bool) -> DS4Transformer:
     model = cls(cfg)
     load_weights(model, gf, device)
-    model.max_ctx, model.llama_cpp_activations = max_ctx, llama_cpp_activations
+    model.max_ctx, model.llama_cpp_activations, model.precision = max_ctx, llama_cpp_activations, precision.for_device(device)
     C = cls.PREFILL_CHUNK
     rows = -(-(max_ctx + 2 * C + 128 * 2) // 128) * 128   # padded chunks, candidate windows; a multiple of every ratio
     main, comp = rope_table(cfg.rope, rows, device), rope_table(cfg.rope_comp, rows, device)
     conj = Tensor([1.0, -1.0], device=device)
     model.tabs = Tables(main, comp, (main * conj).realize(), (comp * conj).realize())
-    for b in model.blk: b.attn.init_cache(max_ctx, C, device)
+    for b in model.blk: b.attn.init_cache(max_ctx, C, device, model.precision.cache)
     return model
 
   def forward(self, tokens: Tensor | UOp, start_pos: int | UOp, last_only: bool = False, select: Tensor | None = None) -> Tensor:
     """tokens `[1, T]` int32 (T <= PREFILL_CHUNK) or one token as a bound variable, at positions start_pos.. -> logits
     `[1, T, vocab]` (or `[1, 1, vocab]` for the last / the one-hot `select`ed position)."""
-    with actquant.llama_cpp_activations(self.llama_cpp_activations):
+    with actquant.llama_cpp_activations(self.llama_cpp_activations), precision.matmuls_in(self.precision.matmul):
       e = self.token_embd(tokens)
       B, T, D = e.shape
       assert T <= self.PREFILL_CHUNK, f"{T} tokens in one forward, at most {self.PREFILL_CHUNK}"
@@ -483,7 +496,8 @@ class DS4Transformer:
     compressor state has the same slack). Deeper rewinds must prefill from 0."""
     if start_pos == 0: return
     a = self.blk[0].attn
-    held, S = a.raw[0, :, -1].numpy(), a.raw.shape[1]
+    cols, S = a.raw[0, :, -2:].float().numpy().astype(np.int64), a.raw.shape[1]
+    held = cols[:, 0] + cols[:, 1] * POS_BASE
     if any(held[p % S] != p for p in range(max(0, start_pos - self.cfg.window), start_pos)):
       raise ValueError(f"deepseek4 cannot resume at position {start_pos}: its ring caches no longer hold the {self.cfg.window} positions "
                        f"before it (resuming works up to {self.max_rewind} positions back); prefill from position 0")

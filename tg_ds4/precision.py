@@ -1,9 +1,10 @@
 """Arithmetic precision per device. The CPU computes exact float32, the references' math. On a GPU the default is half:
 matmul inputs and dequantized weights in float16 with float32 accumulation and float32 outputs (what tensor cores
 take), and float16 KV caches (half the bytes the attention reads per token); the residual stream, norms, RoPE,
-attention scores and softmax, the MoE router (its top-k choices) and the head's logits stay float32.
-`TG_DS4_PRECISION=f32` (or `f16`) overrides the device's default. Only the deepseek2 and dense model code
-(model.Transformer) follows the half default so far; deepseek4 computes float32 everywhere."""
+attention scores and softmax, the MoE router (its top-k choices) and the head's logits stay float32. deepseek4 keeps
+besides in float32 what makes a choice or mixes the residual: the hyper-connection projections and their Sinkhorn,
+the indexer (queries, weights, its compressed keys: a top-k), the compressors' pending state (softmax logits); its
+raw KV ring and compressed rows are the half cache. `TG_DS4_PRECISION=f32` (or `f16`) overrides the device's default."""
 from __future__ import annotations
 
 import contextlib, contextvars, os
