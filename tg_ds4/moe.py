@@ -36,23 +36,6 @@ def topk_ids_values(x: Tensor, k: int, values: Tensor) -> tuple[Tensor, Tensor]:
   sel = _topk_onehot(x, k).unsqueeze(-1).where(pairs.unsqueeze(-3), 0.0).sum(-2)                 # [..., k, 2]
   return sel[..., 0].cast(dtypes.int32), sel[..., 1]
 
-def expert_blocks(ids: Tensor, n_expert: int, b: int) -> tuple[Tensor, Tensor]:
-  """A chunk's (token, expert) pairs grouped by expert into blocks of `b` slots, on the device with static shapes:
-  ids `[N, k]` -> (the expert of each of NB blocks `[NB]`, the pair in each of the NB*b slots `[NB*b]`, N*k where
-  empty). Expert e fills ceil(n_e / b) consecutive blocks, its pairs in token order; NB is the most blocks any choice
-  needs, so some blocks may be spare (their slots empty, their expert any)."""
-  P, E = ids.numel(), n_expert
-  e = ids.reshape(P, 1)
-  oh = (e == Tensor.arange(E).reshape(1, E)).cast(dtypes.int32)                # [P, E]
-  rank = ((oh.cumsum(0) - oh) * oh).sum(1)                                      # earlier pairs with the same expert
-  n_blk = (oh.sum(0) + (b - 1)) // b
-  end = n_blk.cumsum(0)
-  NB = (P + min(E, P) * (b - 1)) // b
-  expert = (end.reshape(1, E) <= Tensor.arange(NB).reshape(NB, 1)).sum(1).minimum(E - 1).cast(dtypes.int32)
-  slot = ((oh * (end - n_blk).reshape(1, E)).sum(1) * b + rank).reshape(1, P)  # each pair's slot
-  pair = (slot == Tensor.arange(NB * b).reshape(NB * b, 1)).where(Tensor.arange(P).reshape(1, P) - P, 0).sum(1) + P
-  return expert, pair.cast(dtypes.int32)
-
 def _swiglu(g: Tensor, u: Tensor, act: str = "silu") -> Tensor:
   """act(gate) * up as three kernels' worth of barriers: the gate GEMV alone, the up GEMV with the activation as its
   epilogue, materialised for the down projection (which would otherwise recompute it per output row). Left to itself
@@ -123,22 +106,6 @@ class MoE:
     # materialised: the weighted sum over experts then fuses into the residual add instead of into the down GEMV,
     # whose reduction over experts and rows together ran at a quarter of the speed
     return linear(act, self.ffn_down_exps.weight[idx]).contiguous()
-
-  EXPERT_BLOCK = 8  # token rows per expert block over a chunk (grouped_experts)
-
-  def grouped_experts(self, x: Tensor, ids: Tensor, w: Tensor) -> Tensor:
-    """`experts` over a chunk: the (token, expert) pairs grouped by expert into blocks (expert_blocks), each block one
-    GEMV of b rows on its expert's packed weight, so a used expert is unpacked once per b of its tokens rather than once
-    per token; the outputs are summed back onto the tokens weighted (empty slots weigh 0)."""
-    B, T, D = x.shape
-    k, b = ids.shape[-1], self.EXPERT_BLOCK
-    expert, pair = expert_blocks(ids.reshape(B * T, k), self.cfg.n_expert, b)
-    tok = pair // k                                                               # N = B*T for empty slots: row 0 of the pad
-    rows = x.reshape(B * T, D).pad(((0, 1), None))[tok].reshape(-1, b, D)       # [NB, b, D]
-    out = self._ffn_exps(rows, expert).reshape(-1, D)                            # [NB*b, D]
-    wt = w.reshape(B * T * k).pad(((0, 1),))[pair]                               # 0 for empty slots
-    scatter = (tok.reshape(1, -1) == Tensor.arange(B * T).reshape(-1, 1)).where(wt.reshape(1, -1), 0.0)  # [N, NB*b]
-    return (scatter @ out).reshape(B, T, D).contiguous()
 
   def experts(self, x: Tensor, ids: Tensor, w: Tensor) -> Tensor:
     """`sum_j w[..., j] * expert_{ids[..., j]}(x)` for x `[B,T,D]`: a GEMV per token and selected expert, reading only
