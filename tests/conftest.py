@@ -6,9 +6,8 @@ import os, pathlib, sys
 os.environ["DEV"] = "CPU"  # before anything imports tinygrad
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
-# *** background jobs: tests marked `background(job)` read the result of a subprocess started when collection finishes
-# (tinygrad's PYTHON device emulating a GPU: single-threaded, minutes each). They run last, so the rest of the suite,
-# which keeps ~1.25 of 2 cores busy, overlaps them.
+# *** background jobs (background.py): tests marked `background(job)` read the result of a subprocess started when
+# collection finishes, by `start_job(job)` of the test's module. They run last, so the rest of the suite overlaps them.
 
 def pytest_configure(config):
   config.addinivalue_line("markers", "background(job): reads module.BACKGROUND[job]'s subprocess result; runs last")
@@ -23,4 +22,5 @@ def pytest_collection_finish(session):
     if (m := item.get_closest_marker("background")) is not None: item.module.start_job(m.args[0])
 
 def pytest_sessionfinish(session):
-  if (m := sys.modules.get("test_devices")) is not None: m.stop_jobs()
+  import background
+  background.stop_all()

@@ -3,13 +3,15 @@ while loading stays the device copy plus one piece, not a second copy of the fil
 token by token on DEV=PYTHON, tinygrad's emulator of GPU-style execution (launch dimensions, local sizes, the GPU
 heuristic's kernels; no CPU machinery), against the stored transformers references. The GPU renderers' lowering is
 tests/test_scheduling.py's."""
-import contextlib, json, os, pathlib, queue, shutil, subprocess, sys, tempfile, threading
+import json, os, pathlib, shutil, subprocess, sys, tempfile
 
 import gguf
 import numpy as np
 import pytest
 
 from tg_ds4.layers import UPLOAD_PIECE
+
+import background
 
 ROOT = pathlib.Path(__file__).parent / "fixtures"
 
@@ -66,47 +68,26 @@ BACKGROUND = {"ds3-f32": (DS3, "Q4_0", "logits_hfdq_Q4_0.npy", 3, {"TG_DS4_PRECI
               "ds3-half": (DS3, "Q4_0", "logits_hfdq_Q4_0.npy", 3, {}),
               "ds4-f32": (DS4, "MXFP4", "logits_hf.npy", 2, {"TG_DS4_PRECISION": "f32"}),
               "ds4-half": (DS4, "MXFP4", "logits_hf.npy", 2, {})}
-_jobs: dict[str, tuple[threading.Event, pathlib.Path]] = {}
-_queue: queue.Queue = queue.Queue()
-_running: list[subprocess.Popen] = []
-_lock, _stopping = threading.Lock(), threading.Event()
+_dirs: list[pathlib.Path] = []
+JOBS = background.Jobs(cleanup=lambda: [shutil.rmtree(out, ignore_errors=True) for out in _dirs])
 
-def stop_jobs() -> None:
-  """At the session's end (conftest): no job is left running or started after it (the run stopped early: -x, ctrl-c)."""
-  with _lock:
-    _stopping.set()
-    for proc in _running:
-      if proc.poll() is None: proc.kill()
-    for _, out in _jobs.values(): shutil.rmtree(out, ignore_errors=True)
+def _decode(job: str, jobs: background.Jobs) -> pathlib.Path:
+  fam, q, _, n, env = BACKGROUND[job]
+  man = json.loads((fam / "manifest.json").read_text())
+  _dirs.append(out := pathlib.Path(tempfile.mkdtemp(prefix=f"tg_ds4-{job}-")))
+  with open(out / "log", "w") as log:
+    args = [str(fam / man["ggufs"][q]["file"]), json.dumps(man["token_ids"][:n]), str(out / "rows.npy")]
+    proc = jobs.popen([sys.executable, "-c", DECODE, *args], stdout=log, stderr=subprocess.STDOUT,
+                      env={**os.environ, "DEV": "PYTHON", "TG_DS4_STEP_CACHE": "0", **env})
+    assert proc.wait(timeout=1800) == 0, (out / "log").read_text()[-3000:]
+  return out
 
-def _run_jobs() -> None:  # one after another on one core: the suite itself keeps the other busy
-  while True:
-    job, done, out = _queue.get()
-    fam, q, _, n, env = BACKGROUND[job]
-    man = json.loads((fam / "manifest.json").read_text())
-    try:
-      with open(out / "log", "w") as log:
-        args = [str(fam / man["ggufs"][q]["file"]), json.dumps(man["token_ids"][:n]), str(out / "rows.npy")]
-        with _lock:
-          if _stopping.is_set(): raise RuntimeError("the session ended first")
-          _running.append(proc := subprocess.Popen([sys.executable, "-c", DECODE, *args], stdout=log, stderr=subprocess.STDOUT,
-                                                   env={**os.environ, "DEV": "PYTHON", "TG_DS4_STEP_CACHE": "0", **env}))
-        (out / "rc").write_text(str(proc.wait(timeout=1800)))
-    except Exception as e:  # noqa: BLE001  (the test reports it)
-      with contextlib.suppress(OSError): (out / "rc").write_text(f"{type(e).__name__}: {e}")  # (gone: the session ended)
-    finally: done.set()
-
-def start_job(job: str) -> None:
-  if job in _jobs: return
-  if not _jobs: threading.Thread(target=_run_jobs, daemon=True).start()
-  _jobs[job] = (threading.Event(), pathlib.Path(tempfile.mkdtemp(prefix=f"tg_ds4-{job}-")))
-  _queue.put((job, *_jobs[job]))
+def start_job(job: str) -> None: JOBS.start(job, lambda jobs: _decode(job, jobs))
 
 def job_result(job: str) -> tuple[list[float], bool]:
   """max|d| / max|logit| per token against the job's reference, and whether every greedy pick agrees."""
   start_job(job)  # (when the test runs without the conftest hook)
-  done, out = _jobs[job]
-  assert done.wait(timeout=3600) and (out / "rc").read_text() == "0", (out / "log").read_text()[-3000:]
+  out = JOBS.result(job)
   info = json.loads((out / "log").read_text().strip().splitlines()[-1])
   assert info == {"device": "PYTHON", "replayed": "CapturedJit"}, info  # tinygrad's own replay: no CPU machinery
   fam, _, ref_name, n, _ = BACKGROUND[job]

@@ -1,11 +1,13 @@
 """Kernel budgets per block kind and backend (scheduling/budgets.toml), counted by scheduling/count.py in a subprocess
 (nothing runs): decode and prefill chunk on DEV=NULL for the CPU, decode lowered for CUDA (NVRTC) and Metal, on the
 deepseek2 and deepseek4 fixtures and the real dense models; and no block may read a dequantized copy of its weights."""
-import functools, json, os, pathlib, subprocess, sys, tomllib
+import json, os, pathlib, subprocess, sys, tomllib
 
 import pytest
 
 from tg_ds4.registry import resolve
+
+import background
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BUDGETS = tomllib.loads((ROOT / "scheduling" / "budgets.toml").read_text())
@@ -25,19 +27,28 @@ TARGETS = {"CPU": ("CPU", "NULL", "decode", FILES + [REAL["smollm2"], REAL["gemm
            "CPU-prefill": ("CPU", "NULL", "prefill", PREFILL_FILES),
            "CUDA": ("CUDA", "NULL:CUDA:sm_90", "decode", GPU_FILES), "METAL": ("METAL", "NULL:METAL", "decode", GPU_FILES)}
 
-@functools.cache
-def counts(run: str) -> dict:
+JOBS = background.Jobs()
+
+def _count(run: str, jobs: background.Jobs) -> dict:
   backend, dev, steps, files = TARGETS[run]
   env = {**os.environ, "DEV": dev, "PYTHONPATH": str(ROOT)}
   env.pop("DEBUG", None)
-  r = subprocess.run([sys.executable, str(ROOT / "scheduling" / "count.py"), *files, "--json", "--steps", steps], env=env,
-                     capture_output=True, text=True, timeout=900)
-  assert r.returncode == 0, r.stderr[-3000:]
-  res = json.loads(r.stdout.strip().splitlines()[-1])
+  proc = jobs.popen([sys.executable, str(ROOT / "scheduling" / "count.py"), *files, "--json", "--steps", steps], env=env,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  out, err = proc.communicate(timeout=900)
+  assert proc.returncode == 0, err[-3000:]
+  res = json.loads(out.strip().splitlines()[-1])
   assert res["backend"] == {"NULL": "NULL"}.get(dev, backend) and sorted(res["files"]) == sorted(files)
   return res["files"]
 
-@pytest.mark.parametrize("run", TARGETS)
+# each run lowers a dozen files in one single-threaded process (40-80 s): a background job (see background.py)
+def start_job(run: str) -> None: JOBS.start(run, lambda jobs: _count(run, jobs))
+
+def counts(run: str) -> dict:
+  start_job(run)  # (when the test runs without the conftest hook)
+  return JOBS.result(run)
+
+@pytest.mark.parametrize("run", [pytest.param(r, marks=pytest.mark.background(r)) for r in TARGETS])
 def test_kernel_budgets(run):
   seen, (backend, _, steps, _) = set(), TARGETS[run]
   for path, r in counts(run).items():
@@ -53,6 +64,7 @@ def test_kernel_budgets(run):
   kinds = ("MLA dense", "MLA MoE", "GQA dense", "GQA dense sandwich SWA", "GQA dense layernorm", "DS4 SWA hash-MoE", "DS4 CSA MoE", "DS4 HCA MoE")
   assert {(steps, k) for k in kinds} <= seen
 
+@pytest.mark.background("CPU")
 def test_no_dequantized_weight_copies():
   for path, r in counts("CPU").items():
     if pathlib.Path(path).name not in BYTES_FILES: continue
