@@ -25,7 +25,8 @@ GPU_FILES = [f for f in FILES if not f.endswith("flash-IQ2_XXS.gguf")] + [REAL["
 PREFILL_FILES = [f for f in FILES if f.endswith(("ds3-Q4_0.gguf", "flash-IQ2_XXS.gguf", "gpt2-Q8_0.gguf"))] + [REAL["smollm2"], REAL["gemma3-270m"]]
 TARGETS = {"CPU": ("CPU", "NULL", "decode", FILES + [REAL["smollm2"], REAL["gemma3-270m"]]),
            "CPU-prefill": ("CPU", "NULL", "prefill", PREFILL_FILES),
-           "CUDA": ("CUDA", "NULL:CUDA:sm_90", "decode", GPU_FILES), "METAL": ("METAL", "NULL:METAL", "decode", GPU_FILES)}
+           "CUDA": ("CUDA", "NULL:CUDA:sm_90", "decode", GPU_FILES), "METAL": ("METAL", "NULL:METAL", "decode", GPU_FILES),
+           "WEBGPU": ("WEBGPU", "NULL:WGSL", "decode", GPU_FILES)}
 
 JOBS = background.Jobs()
 

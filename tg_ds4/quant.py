@@ -26,6 +26,7 @@ from typing import Any, Callable
 import numpy as np
 from tinygrad import Tensor, UOp, dtypes
 
+from tg_ds4 import backend
 from tg_ds4.actquant import round_activations
 from tg_ds4.compat import DType, Ops, prod
 from tg_ds4.precision import matmul_dtype
@@ -372,11 +373,12 @@ class QTensor:
 
   def __getitem__(self, idx) -> QTensor:
     """Index leading axes only (the packed last axis cannot be sliced mid-block). An index tensor (expert or token ids,
-    always in range) is taken modulo the axis as unsigned: the compiler can then prove every gathered row in range and
-    loads its bytes unconditionally, not each behind a bounds check that keeps clang from vectorizing the row (a
-    V2-Lite-shaped expert GEMV: 1.7 -> 4.9 GB/s). A power-of-two axis makes it one `&`; the row offset is computed once
-    per row either way."""
-    if isinstance(idx, Tensor) and dtypes.is_int(idx.dtype): idx = (idx.cast(dtypes.uint32) % self.shape[0]).cast(dtypes.int32)
+    always in range) is, on the CPU (backend.in_range_gathers), taken modulo the axis as unsigned: the compiler can then
+    prove every gathered row in range and loads its bytes unconditionally, not each behind a bounds check that keeps
+    clang from vectorizing the row (a V2-Lite-shaped expert GEMV: 1.7 -> 4.9 GB/s). A power-of-two axis makes it one
+    `&`; the row offset is computed once per row either way."""
+    if isinstance(idx, Tensor) and dtypes.is_int(idx.dtype) and backend.in_range_gathers(self.blocks.device):
+      idx = (idx.cast(dtypes.uint32) % self.shape[0]).cast(dtypes.int32)
     blocks = self.blocks[idx]
     return QTensor(blocks, self.qtype, (*blocks.shape[:-2], self.shape[-1]), (self._src[0], self._src[1] + (idx,)))
 

@@ -14,6 +14,13 @@ from tg_ds4.compat import CapturedJit
 
 def on_cpu(device: str | None) -> bool: return (device or Device.DEFAULT).split(":")[0] == "CPU"
 
+def in_range_gathers(device: str) -> bool:
+  """Whether a gather index (expert or token ids, always in range) is taken modulo its axis as unsigned before it
+  indexes packed weights on `device`: the CPU's C compiler can then prove every gathered row in range and vectorizes
+  its loads (quant.QTensor.__getitem__). Off elsewhere: a GPU gains nothing, and tinygrad 0.14's WGSL renderer cannot
+  render the 64-bit cast the unsigned modulo lowers to (`KeyError: dtypes.long`)."""
+  return getattr(Device[device].renderer, "has_threads", False)
+
 def prepare_device(device: str) -> None:
   """Before anything is lowered for `device`: the CPU kernel heuristic when its renderer is a CPU one (threads; the
   CPU device, or NULL lowering for it), unless compat.py says it stays off."""
