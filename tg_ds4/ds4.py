@@ -52,6 +52,8 @@ from tg_ds4.rope import apply_rope, rope_table
 
 NEG = -3.4028234663852886e38  # float32 min: masked logits stay finite, so fully masked rows softmax to numbers
 POS_BASE = 2048  # the raw ring's position columns: every integer below it is exact in float16
+POS_COLS = 16    # columns after each raw row: its position in the first two, zeros after. A row stride of D + 16 keeps
+                 # every row 16-float aligned (D + 2: the attention kernels read keys two floats at a time, 2.4x slower)
 
 @dataclass(frozen=True)
 class DS4Config:
@@ -341,7 +343,7 @@ class DS4Attention:
     # exact in float16): only for `check_resume` (masks are arithmetic on start_pos); -1 = never written
     assert max_ctx + chunk < POS_BASE ** 2, f"context {max_ctx} beyond the raw ring's position columns"
     S = self.cfg.window + chunk
-    never = Tensor.full((1, S, 1), -1.0, device=device).cat(Tensor.zeros(1, S, 1, device=device), dim=-1)
+    never = Tensor.full((1, S, 1), -1.0, device=device).cat(Tensor.zeros(1, S, POS_COLS - 1, device=device), dim=-1)
     self.raw = Tensor.zeros(1, S, self.cfg.head_dim, device=device).cat(never, dim=-1).cast(dtype).contiguous().realize()
     if hasattr(self, "compressor"): self.compressor.init_cache(max_ctx, chunk, device, dtype)
     # the indexer's keys stay float32: its scores make a discrete choice (top-k), like the router's
@@ -368,7 +370,7 @@ class DS4Attention:
     q = rope_tail(rms0(self.attn_q_b(qr).reshape(B, T, H, D), cfg.norm_eps), table, start_pos)
     kv = rope_tail(self.attn_kv_a_norm(self.attn_kv(x)), table, start_pos)                    # [B, T, D]: K and V
     qpos = (Tensor.arange(T) + start_pos).reshape(T, 1)
-    pos = (qpos % POS_BASE).cat(qpos // POS_BASE, dim=-1).float().reshape(1, T, 2)
+    pos = (qpos % POS_BASE).cat(qpos // POS_BASE, dim=-1).float().reshape(1, T, 2).pad((None, None, (0, POS_COLS - 2)))
     raw = ring_write(self.raw, kv.cat(pos, dim=-1), start_pos)[0, :, :D]                       # [S, D]
     held = ring_positions(raw.shape[0], start_pos + T - 1).reshape(1, -1)
     keys, ok = raw, (held >= 0) & (held <= qpos) & (held > qpos - cfg.window)                  # [T, S]
@@ -439,10 +441,12 @@ class DS4Block:
 
   def __call__(self, x: Tensor, tokens: Tensor | UOp, start_pos: int | UOp, tabs: Tables) -> Tensor:
     # over a chunk each sublayer's output is materialised: left lazy, hc_post fuses it into the streams' kernel, which
-    # recomputes the output projection (a whole GEMM) once per stream (V4-Flash-shaped chunk: 1.65 s per shared expert)
+    # recomputes the output projection (a whole GEMM) once per stream (V4-Flash-shaped chunk: 1.65 s per shared expert).
+    # The streams after attention are materialised too: left lazy, the ffn site's mix recomputes them for each of its
+    # outputs (V4-Flash-shaped decode: 1.27 -> 0.39 ms a layer)
     done = (lambda y: y.contiguous()) if x.shape[0] * x.shape[1] > 1 else (lambda y: y)
     h, post, comb = self.hc_attn(x)
-    x = hc_post(done(self.attn(self.attn_norm(h), start_pos, tabs)), x, post, comb)
+    x = hc_post(done(self.attn(self.attn_norm(h), start_pos, tabs)), x, post, comb).contiguous()
     h, post, comb = self.hc_ffn(x)
     return hc_post(done(self.ffn(self.ffn_norm(h), tokens)), x, post, comb).contiguous()  # one barrier per block, as model.Block
 
@@ -496,7 +500,8 @@ class DS4Transformer:
     compressor state has the same slack). Deeper rewinds must prefill from 0."""
     if start_pos == 0: return
     a = self.blk[0].attn
-    cols, S = a.raw[0, :, -2:].float().numpy().astype(np.int64), a.raw.shape[1]
+    D, S = self.cfg.head_dim, a.raw.shape[1]
+    cols = a.raw[0, :, D:D + 2].float().numpy().astype(np.int64)
     held = cols[:, 0] + cols[:, 1] * POS_BASE
     if any(held[p % S] != p for p in range(max(0, start_pos - self.cfg.window), start_pos)):
       raise ValueError(f"deepseek4 cannot resume at position {start_pos}: its ring caches no longer hold the {self.cfg.window} positions "
