@@ -339,8 +339,9 @@ class DS4Attention:
     if ratio == 4: self.indexer, self.idx_compressor = Indexer(cfg), Compressor(cfg, "indexer_compressor", ratio, cfg.idx_head_dim)
 
   def init_cache(self, max_ctx: int, chunk: int, device: str, dtype: DType):
-    # raw rows carry their position in two extra columns written with the row, `p % POS_BASE` and `p // POS_BASE` (each
-    # exact in float16): only for `check_resume` (masks are arithmetic on start_pos); -1 = never written
+    # raw rows carry their position in the first two of POS_COLS extra columns written with the row, `p % POS_BASE`
+    # and `p // POS_BASE` (each exact in float16): only for `check_resume` (masks are arithmetic on start_pos); -1 =
+    # never written
     assert max_ctx + chunk < POS_BASE ** 2, f"context {max_ctx} beyond the raw ring's position columns"
     S = self.cfg.window + chunk
     never = Tensor.full((1, S, 1), -1.0, device=device).cat(Tensor.zeros(1, S, POS_COLS - 1, device=device), dim=-1)
