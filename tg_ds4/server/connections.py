@@ -5,10 +5,11 @@
   whose head is in has the body's own time limit (`body.BodyLimits.timeout`).
 - a cap on open connections, kept below the process's file-descriptor limit: at the cap, the connection that has waited
   longest without a request in progress is closed to make room (if every one is busy, the new one is), so silent sockets
-  can neither starve real clients nor drive accept() into EMFILE. asyncio accepts up to `backlog` sockets in one go
-  before any of them reaches the protocol, and a closed connection frees its descriptor a loop turn later, so the cap
-  leaves room for two such batches besides the descriptors already open, and the listen backlog is small (connections
-  waiting in the kernel's queue cost no descriptor of ours).
+  can neither starve real clients nor drive accept() into EMFILE. Under a flood asyncio accepts up to `backlog` sockets
+  on every loop turn, and a batch's descriptors are freed only turns later (its transports are made in a task a turn
+  after the accept, their connection_made closes the victims, and a closed transport releases its socket a turn after
+  close()), so the cap leaves room for IN_FLIGHT such batches besides the descriptors already open, and the listen
+  backlog is small (connections waiting in the kernel's queue cost no descriptor of ours).
 
 This subclasses uvicorn's `H11Protocol` (0.3x-0.5x: `connections`, `cycle`, `on_response_complete`, `transport`), the
 one place that touches uvicorn's internals; a uvicorn without them fails at start-up, not under load."""
@@ -19,7 +20,8 @@ import logging, os, resource, time
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("tg_ds4.server")
-BACKLOG = 64     # listen queue, and so the most sockets asyncio accepts at once
+BACKLOG = 32     # listen queue, and so the most sockets asyncio accepts at once
+IN_FLIGHT = 4    # accepted batches whose descriptors may be open beyond the cap (2 with a backlog of 64 hit EMFILE under load)
 FD_RESERVE = 32  # descriptors kept free for what the server opens later (its event loop, KV cache files, the compiler's pipes)
 
 def _open_fds() -> int:
@@ -33,9 +35,7 @@ def connection_cap(wanted: int, backlog: int = BACKLOG) -> int:
     try: resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 16), hard))
     except (ValueError, OSError): pass
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-  # two accept batches: the one being accepted, and the idle connections closed for the last one (a transport releases
-  # its descriptor an event-loop turn after close())
-  room = soft - _open_fds() - 2 * backlog - FD_RESERVE if soft != resource.RLIM_INFINITY else wanted
+  room = soft - _open_fds() - IN_FLIGHT * backlog - FD_RESERVE if soft != resource.RLIM_INFINITY else wanted
   if wanted > room:
     log.warning("at most %d connections: the file-descriptor limit is %d", max(room, 8), soft)
     return max(room, 8)
