@@ -10,7 +10,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 # collection finishes, by `start_job(job)` of the test's module. They run last, so the rest of the suite overlaps them.
 
 def pytest_configure(config):
-  config.addinivalue_line("markers", "background(job): reads module.BACKGROUND[job]'s subprocess result; runs last")
+  config.addinivalue_line("markers", "background(job): reads the result of its module's background job (start_job(job)); runs last")
 
 def pytest_collection_modifyitems(session, config, items):
   bg = [i for i in items if i.get_closest_marker("background")]

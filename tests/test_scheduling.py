@@ -1,5 +1,5 @@
 """Kernel budgets per block kind and backend (scheduling/budgets.toml), counted by scheduling/count.py in a subprocess
-(nothing runs): decode and prefill chunk on DEV=NULL for the CPU, decode lowered for CUDA (NVRTC) and Metal, on the
+(nothing runs): decode and prefill chunk on DEV=NULL for the CPU, decode lowered for CUDA (NVRTC), Metal and WebGPU, on the
 deepseek2 and deepseek4 fixtures and the real dense models; and no block may read a dequantized copy of its weights."""
 import json, os, pathlib, subprocess, sys, tomllib
 
