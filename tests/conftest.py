@@ -1,9 +1,11 @@
 """Every test runs on tinygrad's CPU device, whatever DEV the shell has (a test about another device sets it in the
 subprocess it starts): the references, budgets and kernel heuristics here are the CPU's, and a DEV=NULL left in the
-environment would otherwise turn the suite into a schedule-only run."""
+environment would otherwise turn the suite into a schedule-only run. TG_DS4_TEST_DEV names another device on purpose:
+on a machine with a GPU, `TG_DS4_TEST_DEV=CUDA TG_DS4_PRECISION=f32 pytest tests/test_reference.py ...` holds that
+device to the same references (profiles/gpu_check.sh); the CPU-only tests (kernel counts, the CPU replay) fail there."""
 import os, pathlib, sys
 
-os.environ["DEV"] = "CPU"  # before anything imports tinygrad
+os.environ["DEV"] = os.environ.get("TG_DS4_TEST_DEV", "CPU")  # before anything imports tinygrad
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 # *** background jobs (background.py): tests marked `background(job)` read the result of a subprocess started when

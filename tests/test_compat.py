@@ -1,4 +1,4 @@
-"""compat.py: importing tg_ds4 changes nothing in tinygrad; loading a model for a CPU renderer installs the CPU kernel
+"""compat.py: importing tg_ds4 changes nothing in tinygrad; loading a model for a CPU or GPU renderer installs our kernel
 heuristic, unless TG_DS4_KERNEL_OPTS=0 or tinygrad is not the release its internals were written for (then one warning
 and stock tinygrad). Each case runs in a fresh process: the patches are process-wide."""
 import json, os, pathlib, subprocess, sys
@@ -42,9 +42,14 @@ def test_another_tinygrad_release_runs_stock_with_one_warning():
   assert res == {"import": [True] * 4, "load": [True] * 4, "fast_replay": False}, res
   assert err.count("tinygrad 0.13.0 is installed") == 1, err
 
-def test_a_device_without_a_cpu_renderer_stays_stock():
+def test_a_device_with_neither_a_cpu_nor_a_gpu_renderer_stays_stock():
   res, _ = probe("cpu", dev="NULL")
   assert res["import"] == [True] * 4 and res["load"] == [True] * 4
+
+def test_a_gpu_renderer_installs_the_heuristic():
+  """PYTHON emulates a GPU (workgroups, shared memory): the packed GEMVs' opts (backend/gpu/kernel_opts.py) apply there."""
+  res, _ = probe("cpu", dev="PYTHON")
+  assert res["import"] == [True] * 4 and res["load"] == [False] * 4
 
 def test_tinygrad_internals_are_imported_in_compat_only():
   """One seam: outside compat.py, tg_ds4 imports only what the tinygrad package itself exports."""

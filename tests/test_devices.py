@@ -2,7 +2,8 @@
 while loading stays the device copy plus one piece, not a second copy of the file), and a deepseek2 MoE fixture decoded
 token by token on DEV=PYTHON, tinygrad's emulator of GPU-style execution (launch dimensions, local sizes, the GPU
 heuristic's kernels; no CPU machinery), against the stored transformers references. The GPU renderers' lowering is
-tests/test_scheduling.py's."""
+tests/test_scheduling.py's. On a machine with a GPU, TG_DS4_GPU=CUDA (or METAL, AMD, ...) runs the same decode jobs
+there over the whole prompt (profiles/gpu_check.sh)."""
 import json, os, pathlib, shutil, subprocess, sys, tempfile
 
 import gguf
@@ -55,13 +56,14 @@ import numpy as np
 from tinygrad import Device
 from tg_ds4.runner import Runner
 path, ids = sys.argv[1], json.loads(sys.argv[2])
-r = Runner.load(path, max_ctx=64)
+r = Runner.load(path, max_ctx=max(64, len(ids)))
 rows = [r.decode(t, i).numpy()[0, 0] for i, t in enumerate(ids)]
 np.save(sys.argv[3], np.stack(rows))
 print(json.dumps({"device": Device.DEFAULT, "replayed": type(r._jits["decode"].captured).__name__}))
 """
 
 DS3, DS4 = ROOT / "deepseek2" / "ds3", ROOT / "deepseek4" / "flash"
+GPU = os.environ.get("TG_DS4_GPU", "PYTHON")  # the device the decode jobs run on: the emulator, or a real GPU
 # job -> (fixture dir, file's quant, reference logits, tokens, environment): each a few tokens through the captured
 # decode step on DEV=PYTHON (ds3 ~35 s a token, ds4 ~100 s), started by conftest when collection ends
 BACKGROUND = {"ds3-f32": (DS3, "Q4_0", "logits_hfdq_Q4_0.npy", 3, {"TG_DS4_PRECISION": "f32"}),
@@ -76,11 +78,16 @@ def _decode(job: str, jobs: background.Jobs) -> pathlib.Path:
   man = json.loads((fam / "manifest.json").read_text())
   _dirs.append(out := pathlib.Path(tempfile.mkdtemp(prefix=f"tg_ds4-{job}-")))
   with open(out / "log", "w") as log:
-    args = [str(fam / man["ggufs"][q]["file"]), json.dumps(man["token_ids"][:n]), str(out / "rows.npy")]
+    args = [str(fam / man["ggufs"][q]["file"]), json.dumps(man["token_ids"][:tokens(n)]), str(out / "rows.npy")]
     proc = jobs.popen([sys.executable, "-c", DECODE, *args], stdout=log, stderr=subprocess.STDOUT,
-                      env={**os.environ, "DEV": "PYTHON", "TG_DS4_STEP_CACHE": "0", **env})
+                      env={**os.environ, "DEV": GPU, "TG_DS4_STEP_CACHE": "0", **env})
     assert proc.wait(timeout=1800) == 0, (out / "log").read_text()[-3000:]
   return out
+
+def show(rel: list[float]) -> str:
+  return ", ".join(f"{x:.1e}" for x in rel) if len(rel) <= 4 else f"max {max(rel):.1e}, median {np.median(rel):.1e} over {len(rel)} tokens"
+
+def tokens(n: int) -> int | None: return n if GPU == "PYTHON" else None  # a real GPU decodes the whole prompt
 
 def start_job(job: str) -> None: JOBS.start(job, lambda jobs: _decode(job, jobs))
 
@@ -89,9 +96,9 @@ def job_result(job: str) -> tuple[list[float], bool]:
   start_job(job)  # (when the test runs without the conftest hook)
   out = JOBS.result(job)
   info = json.loads((out / "log").read_text().strip().splitlines()[-1])
-  assert info == {"device": "PYTHON", "replayed": "CapturedJit"}, info  # tinygrad's own replay: no CPU machinery
+  assert info == {"device": GPU, "replayed": "CapturedJit"}, info  # tinygrad's own replay: no CPU machinery
   fam, _, ref_name, n, _ = BACKGROUND[job]
-  ours, ref = np.load(out / "rows.npy"), np.load(fam / ref_name)[:n]
+  ours, ref = np.load(out / "rows.npy"), np.load(fam / ref_name)[:tokens(n)]
   assert ours.dtype == np.float32 and ours.shape == ref.shape
   return [float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(ours, ref)], bool((ours.argmax(-1) == ref.argmax(-1)).all())
 
@@ -100,7 +107,7 @@ def test_moe_fixture_decodes_on_the_emulated_gpu_in_float32():
   """ds3 Q4_0 (MLA, 4 expert groups, sigmoid routing) in exact float32 (TG_DS4_PRECISION=f32) on the emulated GPU,
   against transformers on the file's dequantized weights: measured 7.2e-7, 1.2e-6, 4.8e-7."""
   rel, same = job_result("ds3-f32")
-  print(f"\nds3 Q4_0 on PYTHON, float32, vs transformers (dequantized weights): {', '.join(f'{x:.1e}' for x in rel)}")
+  print(f"\nds3 Q4_0 on {GPU}, float32, vs transformers (dequantized weights): {show(rel)}")
   assert max(rel) <= 5e-5 and same, rel
 
 @pytest.mark.background("ds3-half")
@@ -109,7 +116,7 @@ def test_moe_fixture_decodes_on_the_emulated_gpu_in_half():
   float32 accumulation): measured 3.4e-4, 8.1e-4, 3.6e-4, greedy picks the same. The bound is 10x float16's unit
   roundoff (4.9e-4) relative to the largest logit: far above float32's ~1e-6, far below a wrong kernel's O(1)."""
   rel, same = job_result("ds3-half")
-  print(f"\nds3 Q4_0 on PYTHON, half, vs transformers (dequantized weights): {', '.join(f'{x:.1e}' for x in rel)}")
+  print(f"\nds3 Q4_0 on {GPU}, half, vs transformers (dequantized weights): {show(rel)}")
   assert max(rel) <= 5e-3 and same, rel
   assert max(rel) >= 1e-5, "no half-precision rounding visible: the GPU default did not apply"
 
@@ -118,7 +125,7 @@ def test_deepseek4_fixture_decodes_on_the_emulated_gpu():
   """deepseek4 MXFP4 (hyper-connections, sinks, compressors and indexer, hash routing) in float32 on the emulated GPU,
   against transformers (the file holds its weights exactly): measured 4.8e-7, 6.2e-7."""
   rel, same = job_result("ds4-f32")
-  print(f"\ndeepseek4 MXFP4 on PYTHON vs transformers: {', '.join(f'{x:.1e}' for x in rel)}")
+  print(f"\ndeepseek4 MXFP4 on {GPU} vs transformers: {show(rel)}")
   assert max(rel) <= 2e-5 and same, rel
 
 @pytest.mark.background("ds4-half")
@@ -127,6 +134,6 @@ def test_deepseek4_fixture_decodes_on_the_emulated_gpu_in_half():
   hyper-connections, router, indexer): the same bound and the same check that half applied as for ds3. Measured
   3.5e-4, 4.6e-4 (float32: 4.8e-7, 6.2e-7)."""
   rel, same = job_result("ds4-half")
-  print(f"\ndeepseek4 MXFP4 on PYTHON, half, vs transformers: {', '.join(f'{x:.1e}' for x in rel)}")
+  print(f"\ndeepseek4 MXFP4 on {GPU}, half, vs transformers: {show(rel)}")
   assert max(rel) <= 5e-3 and same, rel
   assert max(rel) >= 1e-5, "no half-precision rounding visible: the GPU default did not apply"

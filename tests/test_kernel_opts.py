@@ -2,6 +2,7 @@
 speed of each choice is measured in the module's docstring and the README, not here)."""
 import functools
 
+import gguf
 import numpy as np
 import pytest
 from tinygrad import Device, Tensor, dtypes
@@ -21,9 +22,9 @@ def kernel_sinks(t: Tensor) -> list[UOp]:
   """The kernel ASTs of `t`'s schedule (one call per tensor: scheduling assigns its buffers)."""
   return [c.src[0] for c in t.linear_with_vars()[0].src if c.op is Ops.CALL and c.src[0].op is Ops.SINK]
 
-def schedulers(t: Tensor | list[UOp]) -> list[Scheduler]:
+def schedulers(t: Tensor | list[UOp], renderer=None) -> list[Scheduler]:
   """The kernels of `t` as tinygrad's codegen hands them to the heuristic (the rewrites of `full_rewrite_to_sink` before
-  `apply_opts`)."""
+  `apply_opts`), for `renderer` (default: the CPU's)."""
   out = []
   for ast in kernel_sinks(t) if isinstance(t, Tensor) else t:
     sink = graph_rewrite(graph_rewrite(ast, cg.multi_pm), cg.pm_mops, bottom_up=True)
@@ -31,7 +32,7 @@ def schedulers(t: Tensor | list[UOp]) -> list[Scheduler]:
     sink = graph_rewrite(sink, cg.pm_split_ranges + cg.pm_flatten_range, ctx={})
     sink = graph_rewrite(sink, cg.sym + cg.pm_flatten_range)
     sink = graph_rewrite(sink, cg.pm_flatten_range + cg.pm_simplify_ranges, ctx={})
-    k = Scheduler(sink, Device[Device.DEFAULT].renderer)
+    k = Scheduler(sink, renderer or Device[Device.DEFAULT].renderer)
     k.convert_loop_to_global()
     out.append(k)
   return out
@@ -169,3 +170,44 @@ def test_a_failing_rule_falls_back_to_tinygrads_choice(monkeypatch, caplog):
   caplog.set_level("WARNING", "tg_ds4")
   assert kernel_opts.cpu_heuristic(k.copy()).applied_opts == kernel_opts._hand_coded(k.copy()).applied_opts
   assert "ZeroDivisionError" in caplog.text
+
+# *** GPU renderers: backend/gpu/kernel_opts.py, on tinygrad's PYTHON device (it emulates workgroups and shared memory)
+
+def _quantized(name: str, w: np.ndarray, device: str) -> tuple[QTensor, np.ndarray]:
+  """`w` quantized by gguf-py, as a QTensor on `device`, and gguf-py's dequantization of the same bytes."""
+  qt, t = QTYPE_BY_NAME[name], gguf.GGMLQuantizationType[name]
+  raw = gguf.quants.quantize(w, t)
+  blocks = Tensor(np.ascontiguousarray(raw).reshape(*w.shape[:-1], w.shape[-1] // qt.block, qt.nbytes), device=device).realize()
+  return QTensor(blocks, qt, w.shape), gguf.quants.dequantize(raw, t)
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0"])
+def test_gpu_gemv_groups_each_row_over_threads_and_stays_exact(name):
+  """A packed GEMV and a gathered-experts GEMV on a GPU renderer: threads split each row's reduce (GROUP) and
+  workgroups hold several rows (LOCAL), where tinygrad's heuristic walks whole rows per thread (the gathered experts on
+  an H200: 3 GB/s, 1000 GB/s with these); the result equals gguf-py's dequantization times x to float32 rounding."""
+  from tg_ds4.backend.gpu import kernel_opts as gpu
+  rng, dev = np.random.default_rng(0), "PYTHON"
+  w = rng.standard_normal((4, 64, 256)).astype(np.float32)
+  x = rng.standard_normal((1, 1, 256)).astype(np.float32)
+  q, deq = _quantized(name, w, dev)
+  ids, xt = Tensor(np.array([2, 0, 3]), device=dev).realize(), Tensor(x, device=dev).realize()
+  make = lambda: (linear(xt, q[1]), linear(xt.reshape(1, 1, 1, 1, 256), q[ids.reshape(1, 1, 3)]))  # as moe.experts gathers
+  for t in make():
+    chosen = [gpu.packed_gemv(k) for k in schedulers(t.contiguous(), Device[dev].renderer)]
+    (k,) = [c for c in chosen if c is not None]  # the GEMV (the gather's index arithmetic is another kernel)
+    ops = [o.op for o in k.applied_opts]
+    assert OptOps.GROUP in ops and OptOps.LOCAL in ops, ops
+  one, experts = make()
+  want_one, want_experts = deq[1] @ x[0, 0], np.einsum("eoi,i->eo", deq[[2, 0, 3]], x[0, 0])
+  got_one, got_experts = one.numpy().reshape(64), experts.numpy().reshape(3, 64)
+  for got, want in ((got_one, want_one), (got_experts, want_experts)):
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), np.abs(got - want).max()
+
+def test_gpu_rule_leaves_chunks_and_cpu_kernels_alone():
+  """A prefill chunk (tokens along an output axis) and any kernel on a CPU renderer keep the other heuristics' choices."""
+  from tg_ds4.backend.gpu import kernel_opts as gpu
+  q, _ = _quantized("Q8_0", np.ones((64, 256), np.float32), "PYTHON")
+  (chunk,) = schedulers(linear(Tensor.ones(1, 8, 256, device="PYTHON").contiguous().realize(), q).contiguous(), Device["PYTHON"].renderer)
+  assert gpu.packed_gemv(chunk) is None
+  (cpu,) = schedulers(linear(Tensor.ones(1, 1, 1024).contiguous().realize(), packed("Q8_0", 64, 1024)))
+  assert gpu.packed_gemv(cpu) is None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib, csv, io, json, pathlib, re, statistics, time
 from collections import defaultdict
 
-from tinygrad import Context, Tensor, UOp, dtypes
+from tinygrad import Context, Device, Tensor, UOp, dtypes
 
 from tg_ds4.compat import Ops, realize, sym_infer
 from tg_ds4.jit import Jit
@@ -95,7 +95,7 @@ def _timed_replays(step, args_fn, names: dict, repeat: int) -> tuple[list[dict],
   """Replay a captured step `repeat` times: per-kernel times (synchronous, one launch at a time) and plain wall times."""
   runs, walls = [], []
   for _ in range(repeat):
-    t0 = time.perf_counter(); step(*args_fn()); walls.append(time.perf_counter() - t0)
+    t0 = time.perf_counter(); step(*args_fn()); Device[Device.DEFAULT].synchronize(); walls.append(time.perf_counter() - t0)  # a GPU runs it async
   orig, rec = realize.track_stats, None
   try:
     for _ in range(repeat):

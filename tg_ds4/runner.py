@@ -280,10 +280,10 @@ class Runner:
       for p in range(n - fed, n): tok = self.next_token(prompt[p], p, params, sampling(0), k)
     else: tok = self._head(params.greedy, k)(out, *sampling(0))
     self.cached = list(prompt)
-    st.prefill_s = st.first_token_s = time.perf_counter() - t0
-    t1 = time.perf_counter()
     for i in range(max_new):
       s = Step(int(tok.item())) if logprobs is None else _row_to_step(tok.numpy()[0], k, logprobs)
+      # the clocks read once the token is on the host: a GPU runs the launched steps asynchronously
+      if i == 0: st.prefill_s = st.first_token_s = (t1 := time.perf_counter()) - t0
       st.generated, st.decode_s = st.generated + 1, time.perf_counter() - t1  # kept current: the caller may stop early
       yield s
       if s.token in stop or i == max_new - 1: break

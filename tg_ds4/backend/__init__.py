@@ -2,7 +2,7 @@
 quantized GEMVs and chunk GEMMs (kernel_opts), captured steps replayed by a native multi-core runner (replay,
 cpu_runner.c), and some weight formats re-encoded for the CPU's code (widen). Each is installed when a model is loaded
 for the CPU, never on import, and only where compat.py says tinygrad's internals are the ones they were written for.
-Every other device runs stock tinygrad."""
+For GPU renderers (backend/gpu): the packed GEMVs' kernel opts; everything else is stock tinygrad."""
 from __future__ import annotations
 
 import os
@@ -22,9 +22,12 @@ def in_range_gathers(device: str) -> bool:
   return getattr(Device[device].renderer, "has_threads", False)
 
 def prepare_device(device: str) -> None:
-  """Before anything is lowered for `device`: the CPU kernel heuristic when its renderer is a CPU one (threads; the
-  CPU device, or NULL lowering for it), unless compat.py says it stays off."""
-  if getattr(Device[device].renderer, "has_threads", False) and compat.kernel_opts_on():
+  """Before anything is lowered for `device`: our kernel heuristic (backend/cpu/kernel_opts.py on CPU renderers, the
+  CPU device or NULL lowering for it; backend/gpu/kernel_opts.py's packed GEMVs on GPU renderers), unless compat.py
+  says it stays off."""
+  ren = Device[device].renderer
+  cpu, gpu = getattr(ren, "has_threads", False), ren.has_local and ren.has_shared  # (NULL's generic renderer is neither)
+  if (cpu or gpu) and compat.kernel_opts_on():
     from tg_ds4.backend.cpu import kernel_opts  # CPU GEMVs keep their lane accumulators without a row upcast (see kernel_opts)
     kernel_opts.install()
 

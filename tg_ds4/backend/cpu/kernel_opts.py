@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from tinygrad import dtypes
 
+from tg_ds4.backend.gpu import kernel_opts as gpu_kernel_opts
 from tg_ds4.compat import AxisType, ClangRenderer, KernelOptError, Opt, OptOps, Ops, PatternMatcher, Scheduler, UOp, UPat, codegen, heuristic, \
   prod, worker
 
@@ -142,11 +143,13 @@ def rules(k: Scheduler) -> Scheduler:
   return _gemm(k) or _transposing_unpack(k) or _unroll_lanes(_lanes_first(k, _hand_coded(k)))
 
 def cpu_heuristic(k: Scheduler) -> Scheduler:
-  """`rules` on CPU renderers. Should a rule still fail on a kernel shape nobody foresaw, that kernel gets tinygrad's
-  own choices and one warning instead of failing the step that contains it (a model that cannot sample is worse than
-  one slower kernel); the tests call `rules` itself, so they see any such failure."""
-  if not getattr(k.ren, "has_threads", False): return _hand_coded(k)
-  try: return rules(k.copy())
+  """`rules` on CPU renderers, backend/gpu/kernel_opts.py's packed GEMVs on the others. Should a rule still fail on a
+  kernel shape nobody foresaw, that kernel gets tinygrad's own choices and one warning instead of failing the step that
+  contains it (a model that cannot sample is worse than one slower kernel); the tests call `rules` itself, so they see
+  any such failure."""
+  try:
+    if not getattr(k.ren, "has_threads", False): return gpu_kernel_opts.packed_gemv(k.copy()) or _hand_coded(k)
+    return rules(k.copy())
   except Exception as e:  # noqa: BLE001
     _warn_once(f"kernel_opts: {type(e).__name__}: {e} on a kernel of shape {tuple(k.full_shape)}; tinygrad's heuristic used for it")
     return _hand_coded(k)

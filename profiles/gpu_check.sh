@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU checks, in one run on a machine with an NVIDIA GPU and no network (the tool library's device machines):
+#   1. tests/test_devices.py's decode jobs on the GPU (TG_DS4_GPU) over the whole prompt, float32 and the GPU's default
+#      half precision;
+#   2. the reference tests on the GPU in float32 (TG_DS4_TEST_DEV, TG_DS4_PRECISION=f32): the deepseek2 fixtures,
+#      deepseek4 and GPT-2 against the stored transformers and llama.cpp logits, at the CPU's tolerances;
+#   3. profile of the V2-Lite-shaped benchmark file (made here by profiles/make_bench_model.py) with tinygrad's own kernel
+#      heuristic (TG_DS4_KERNEL_OPTS=0) and with ours (backend/gpu/kernel_opts.py), then bench with ours.
+# Each step has its own time limit and log under $OUT. Wheels for what the machine lacks (tinygrad, gguf, the server's
+# libraries) travel in .whl/ (see the device tool's README); everything else comes from the machine's python3.
+set -u
+OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+if ! python3 -c "import tinygrad, gguf" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+DEADLINE=${DEADLINE:-540}  # seconds for the whole script: a step gets its own limit or what is left, whichever is less
+step() {  # step NAME SECONDS COMMAND...: the command's output to $OUT/NAME.log, its status and time to the summary
+  local name=$1 secs=$2; shift 2
+  local t0=$SECONDS left=$((DEADLINE - SECONDS))
+  [ "$left" -lt "$secs" ] && secs=$left
+  [ "$secs" -lt 10 ] && { echo "$name skipped: out of time" | tee -a "$OUT/summary"; return; }
+  timeout -s INT -k 10 "$secs" "$@" >"$OUT/$name.log" 2>&1; local rc=$?
+  echo "$name rc=$rc $((SECONDS - t0))s" | tee -a "$OUT/summary"
+  tail -n 4 "$OUT/$name.log"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/summary"
+GPU=${GPU:-CUDA}
+if [ -z "${NVRTC_PATH:-}" ] && ! ldconfig -p | grep -q libnvrtc.so; then  # tinygrad's CUDA compiler: NVIDIA's NVRTC
+  lib=$(find /usr/local/cuda*/ /opt -name 'libnvrtc.so*' 2>/dev/null | grep -v builtins | sort | head -1)
+  [ -n "$lib" ] && export NVRTC_PATH=$lib && echo "NVRTC_PATH=$lib"
+fi
+DEV=$GPU python3 -c "from tinygrad import Tensor, Device; print(Device.DEFAULT, (Tensor([1., 2.]) + 1).tolist())" || {
+  GPU=NV; DEV=NV python3 -c "from tinygrad import Tensor, Device; print(Device.DEFAULT, (Tensor([1., 2.]) + 1).tolist())" || exit 1; }
+echo "device $GPU" | tee -a "$OUT/summary"
+FLOAT32=${F32_K:-_transformers}
+export TG_DS4_TEST_DEV=$GPU
+step decode_jobs ${JOBS_S:-110} env TG_DS4_GPU=$GPU python3 -m pytest -q -s -p no:cacheprovider --durations=5 tests/test_devices.py -k decodes
+unset TG_DS4_TEST_DEV
+export DEV=$GPU
+step make_bench ${MAKE_S:-60} python3 profiles/make_bench_model.py v2lite
+BENCH=$(python3 -c "import sys; sys.path.insert(0, '.'); from tg_ds4.registry import cache_dir; print(cache_dir() / 'bench')")/v2lite-4L-Q4_0.gguf
+step profile_stock ${PROFILE_S:-90} env TG_DS4_KERNEL_OPTS=0 python3 -m tg_ds4 profile -m "$BENCH" --out /tmp/profile_stock
+step profile ${PROFILE_S:-90} python3 -m tg_ds4 profile -m "$BENCH" --out /tmp/profile_ours
+step bench ${BENCH_S:-120} python3 -m tg_ds4 bench -m "$BENCH" --prompt-tokens 128 --gen 64 --repeat 2
+export TG_DS4_TEST_DEV=$GPU
+step f32 ${F32_S:-180} env TG_DS4_PRECISION=f32 python3 -m pytest -q -s -p no:cacheprovider --durations=5 tests/test_reference.py \
+  tests/test_ds4.py tests/test_gpt2.py -k "$FLOAT32"
+cat "$OUT/summary"

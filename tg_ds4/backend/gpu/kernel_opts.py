@@ -1,0 +1,51 @@
+"""tinygrad's kernel heuristic on GPU renderers, for the one shape it gets badly wrong there: a GEMV over packed
+weights (a quantized matmul for one token).
+
+tinygrad's matvec opts (a few threads split each row's reduce, rows grouped into workgroups) apply only when both
+operands of the multiply are plain loads. A packed weight's unpacking hides that pattern, so the heuristic treats the
+kernel as an elementwise one: each thread walks whole rows alone, its neighbours reading other rows a row's bytes
+apart, and small masked axes are upcast whole. For the gathered expert GEMVs (the masked axis is the 6 selected
+experts) that gave 384 accumulators a thread and 11 workgroups of 32 threads for the whole GPU.
+
+Here such a kernel gets up to `THREADS` threads per row on the axis of its outer reduce (tinygrad groups only a reduce
+that is not nested in another; in a packed dot that is the axis along a block's bytes, so adjacent threads read
+adjacent bytes and a warp reads whole runs of a row), their partial sums meeting in shared memory, and `WORKGROUP`
+threads per workgroup over several rows. Only GEMVs: a kernel whose output axes all move the weight (no token axis) and
+whose largest buffer is packed bytes. Everything else keeps tinygrad's choices. (Measured on an H200: README, GPU.)"""
+from __future__ import annotations
+
+from tg_ds4.compat import AxisType, KernelOptError, Opt, OptOps, Ops, Scheduler
+
+THREADS, WORKGROUP = 32, 128  # threads per row at most (the grouped axis must divide by it), threads per workgroup
+NESTED = (AxisType.REDUCE, AxisType.UNROLL, AxisType.GROUP_REDUCE)
+
+def _weight(k: Scheduler):  # the operand that streams from memory: the largest buffer
+  return max(k.bufs, key=lambda b: b.src[0].max_numel() * b.src[0].dtype.itemsize)
+
+def _divisor(n: int, most: int) -> int:
+  """The largest power of two <= most dividing n, else n's largest divisor <= most."""
+  return next((d for d in (32, 16, 8, 4, 2) if d <= most and n % d == 0), None) or max(d for d in range(1, most + 1) if n % d == 0)
+
+def packed_gemv(k: Scheduler) -> Scheduler | None:
+  """The opts for a packed-weight GEMV on a GPU renderer; None for any other kernel."""
+  ren = k.ren
+  if getattr(ren, "has_threads", False) or not ren.has_local or not ren.has_shared: return None
+  if k.reduceop is None or k.reduceop.arg[0] is not Ops.ADD or not k.full_shape: return None
+  if not all(isinstance(s, int) for s in k.full_shape): return None
+  weight = _weight(k)
+  if weight.src[0].dtype.itemsize != 1: return None
+  outs, red = k.axes_of(AxisType.GLOBAL), k.axes_of(AxisType.REDUCE)
+  seen = weight.src[1].get_idx().backward_slice
+  if not outs or not red or any(k.rngs[a] not in seen for a in outs): return None  # a token axis: not a GEMV
+  # tinygrad groups only a reduce not nested in another: the outer one of a packed dot (the inner sums a block's values)
+  outer = [u for u in k.ast.backward_slice if u.op is Ops.REDUCE and not any(r.arg[-1] in NESTED for r in u.ranges)]
+  axes = [k.rngs.index(r) for u in outer for r in u.src[1:] if r in k.rngs]
+  if len(axes) != 1 or axes[0] not in red: return None
+  alt = k.copy()
+  try:
+    g = _divisor(alt.full_shape[axes[0]], THREADS)
+    if g > 1: alt.apply_opt(Opt(OptOps.GROUP, red.index(axes[0]), g))
+    rows = max(outs, key=lambda a: alt.full_shape[a])
+    if (l := _divisor(alt.full_shape[rows], max(1, WORKGROUP // g))) > 1: alt.apply_opt(Opt(OptOps.LOCAL, rows, l))
+  except KernelOptError: return None
+  return alt
