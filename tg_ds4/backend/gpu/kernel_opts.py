@@ -39,7 +39,9 @@ def packed_gemv(k: Scheduler) -> Scheduler | None:
   if not outs or not red or any(k.rngs[a] not in seen for a in outs): return None  # a token axis: not a GEMV
   # tinygrad groups only a reduce not nested in another: the outer one of a packed dot (the inner sums a block's values)
   outer = [u for u in k.ast.backward_slice if u.op is Ops.REDUCE and not any(r.arg[-1] in NESTED for r in u.ranges)]
+  # (a second one, such as the routed experts' weighted sum fused into the shared expert's down GEMV, stays a loop)
   axes = [k.rngs.index(r) for u in outer for r in u.src[1:] if r in k.rngs]
+  if len(axes) > 1: axes = [a for a in axes if k.rngs[a] in seen]
   if len(axes) != 1 or axes[0] not in red: return None
   alt = k.copy()
   try:
