@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import sys
 
 from tg_ds4.gguf import GGUFError
@@ -53,6 +54,34 @@ def cmd_logits(args) -> int:
   logits = logits.astype(np.float32)
   if args.out: np.save(args.out, logits)
   print(f"logits {list(logits.shape)} ({args.mode}) argmax {logits.argmax(-1).tolist()}" + (f" -> {args.out}" if args.out else ""))
+  return 0
+
+def cmd_probe(args) -> int:
+  from tg_ds4 import probe
+  from tg_ds4.gguf import GGUFFile
+  from tg_ds4.registry import resolve
+  from tg_ds4.runner import Runner
+  from tg_ds4.tokenizer import Tokenizer
+  gf = GGUFFile(resolve(args.model))
+  tok = Tokenizer.from_gguf(gf)
+  if args.tokens is not None:
+    try: tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+    except ValueError: raise UsageError(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
+  else: tokens = tok.encode(args.prompt)
+  if not tokens: raise UsageError("nothing to probe: the prompt or --tokens is empty")
+  runner = Runner.load(gf, max_ctx=len(tokens))
+  n_layer, n_vocab = len(runner.model.blk), runner.model.cfg.n_vocab
+  if bad := [t for t in tokens if not 0 <= t < n_vocab]: raise UsageError(f"token ids {bad[:5]} are outside the vocabulary [0, {n_vocab})")
+  try: layers = None if args.layers is None else sorted({int(x) for x in args.layers.split(",") if x.strip()})
+  except ValueError: raise UsageError(f"--layers must be comma-separated block numbers, got {args.layers!r}") from None
+  if layers is not None and (not layers or not all(0 <= i < n_layer for i in layers)):
+    raise UsageError(f"--layers {args.layers!r}: block numbers in [0, {n_layer})")
+  piece = lambda i: tok.token_to_piece(i).decode("utf-8", "replace")
+  summary = probe.write(probe.run(runner, tokens), pathlib.Path(args.out), gf.path.name, piece, layers)
+  print(probe.lens_table(summary))
+  moe = any("experts" in r for r in summary["layers"])
+  files = "embed.npy, blk.N.{hidden,attn}.npy" + (", blk.N.{experts,expert_weights}.npy" if moe else "") + ", summary.json, probe.png"
+  print(f"wrote {args.out}: {files}")
   return 0
 
 def _load(args):
@@ -250,6 +279,14 @@ def build_parser() -> argparse.ArgumentParser:
                  help="reasoning on/off (template variables thinking / enable_thinking; default: the template's own)")
   sampling_args(s)
   s.set_defaults(fn=cmd_chat)
+  s = sub.add_parser("probe", help="per-layer activations, MoE routing and a logit lens for a prompt, as .npy/JSON/PNG files")
+  s.add_argument("-m", "--model", required=True, help="path to a .gguf file or a short model name")
+  g = s.add_mutually_exclusive_group(required=True)
+  g.add_argument("-p", "--prompt", help="the prompt text (tokenized with the model's BOS/EOS rules)")
+  g.add_argument("--tokens", help="comma-separated token ids instead of a prompt")
+  s.add_argument("--layers", help="comma-separated block numbers whose arrays are written (default: all)")
+  s.add_argument("--out", required=True, metavar="DIR", help="directory for the files")
+  s.set_defaults(fn=cmd_probe)
   s = sub.add_parser("tokenize", help="print the token ids of TEXT as JSON")
   s.add_argument("-m", "--model", required=True, help="path to a .gguf file or a short model name")
   s.add_argument("text")
