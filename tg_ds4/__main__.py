@@ -183,6 +183,7 @@ def cmd_profile(args) -> int:
   from tg_ds4 import profile
   from tg_ds4.bench import read_bandwidth
   from tg_ds4.registry import resolve
+  from tg_ds4.backend import on_cpu
   from tg_ds4.backend.cpu.replay import engine_threads
   from tg_ds4.runner import Runner
   if (args.pos is not None and args.pos < 0) or args.repeat < 1: raise UsageError("--pos >= 0 and --repeat >= 1")
@@ -191,10 +192,11 @@ def cmd_profile(args) -> int:
   pos = model.max_ctx - 1 if args.pos is None else args.pos
   if pos >= model.max_ctx: raise UsageError(f"--pos {pos} is past the model's context of {model.max_ctx}")
   res = {"model": args.model, "file": str(path), **profile.profile_model(model, pos, args.repeat, args.prefill)}
-  # kernels are timed one at a time on one core; the wall runs on the engine's threads: a roofline for each
-  res["roofline"] = {"threads": engine_threads(), "read_gbps": read_bandwidth(), "read_gbps_one_core": read_bandwidth(1)}
+  # on the CPU kernels are timed one at a time on one core and the wall runs on the engine's threads: a roofline for
+  # each. Another device's memory is not the host's: no roofline there
+  if on_cpu(None): res["roofline"] = {"threads": engine_threads(), "read_gbps": read_bandwidth(), "read_gbps_one_core": read_bandwidth(1)}
   if args.out:
-    for p in profile.write(res, pathlib.Path(args.out), pathlib.Path(path).stem, res["roofline"]["read_gbps_one_core"]):
+    for p in profile.write(res, pathlib.Path(args.out), pathlib.Path(path).stem, res.get("roofline", {}).get("read_gbps_one_core", 0.0)):
       print(f"wrote {p}", file=sys.stderr)
   print(json.dumps(res, indent=1) if args.json else profile.format_text(res))
   return 0

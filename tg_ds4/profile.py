@@ -173,9 +173,10 @@ def _chart(r: dict, path: pathlib.Path, title: str, read_gbps: float) -> pathlib
     ks = [k for k in r["kernels"] if k["op"] == o and k["bytes"] > 0 and k["time_s"] > 0]
     b.scatter([k["bytes"] for k in ks], [k["gbps"] for k in ks], s=12, color=colors[o], label=o)
   xs = [min(k["bytes"] for k in r["kernels"] if k["bytes"] > 0), max(k["bytes"] for k in r["kernels"])]
-  b.plot(xs, [read_gbps] * 2, "k--", lw=1, label=f"one core's streaming read {read_gbps:.1f} GB/s")
+  if read_gbps: b.plot(xs, [read_gbps] * 2, "k--", lw=1, label=f"one core's streaming read {read_gbps:.1f} GB/s")
   b.set_xscale("log"); b.set_yscale("log"); b.set_xlabel("bytes moved by the kernel"); b.set_ylabel("GB/s")
-  b.set_title("each kernel (timed alone, one core) against the bandwidth roofline", fontsize=10); b.legend(fontsize=7, ncol=2, loc="lower right")
+  b.set_title("each kernel (timed alone" + (", one core) against the bandwidth roofline" if read_gbps else ")"), fontsize=10)
+  b.legend(fontsize=7, ncol=2, loc="lower right")
   blocks = list(dict.fromkeys(k["block"] for k in r["kernels"]))
   bottom = [0.0] * len(blocks)
   for o in ops:
