@@ -31,6 +31,9 @@ class Model(Protocol):
     """tokens `[1, T]` (or one token as a bound variable) at positions start_pos.. -> logits `[1, T, vocab]`; the
     caches are written in the same graph."""
     ...
+  def head(self, x: Tensor) -> Tensor:
+    """The residual stream after the last block -> logits (what forward does after its blocks; probe's logit lens)."""
+    ...
   def check_resume(self, start_pos: int) -> None:
     """Raise ValueError unless the caches hold what a run starting at `start_pos` needs."""
     ...

@@ -493,7 +493,9 @@ class DS4Transformer:
       for b in self.blk: x = b(x, tokens, start_pos, self.tabs)
       if last_only: x = x[:, -1:]
       if select is not None: x = (x * select.unsqueeze(-1)).sum(1, keepdim=True)
-      return self.output(self.output_norm(self.output_hc.head(x)))
+      return self.head(x)
+
+  def head(self, x: Tensor) -> Tensor: return self.output(self.output_norm(self.output_hc.head(x)))  # the streams collapsed first
 
   def check_resume(self, start_pos: int) -> None:
     """Raise unless the caches hold what a run from `start_pos` needs: position 0, or the raw rows of the `window`

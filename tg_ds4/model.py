@@ -99,8 +99,11 @@ class Transformer:
       for b in self.blk: x = b(x, start_pos, self.rope_swa if b.swa else self.rope)
       if last_only: x = x[:, -1:]
       if select is not None: x = (x * select).sum(1, keepdim=True)
-      logits = self.output(self.output_norm(x))
-      return (logits / (c := self.cfg.logit_softcap)).tanh() * c if self.cfg.logit_softcap else logits
+      return self.head(x)
+
+  def head(self, x: Tensor) -> Tensor:
+    logits = self.output(self.output_norm(x))
+    return (logits / (c := self.cfg.logit_softcap)).tanh() * c if self.cfg.logit_softcap else logits
 
   def check_resume(self, start_pos: int) -> None: pass  # every row of a cached prefix stays in the cache
 

@@ -3,7 +3,7 @@
 For a prompt, the model runs forward in plain (not captured) chunks with taps on its blocks: the residual stream after
 each block (deepseek4: its hyper-connection streams `[T, hc, dim]`), each attention sublayer's output, and each MoE
 layer's routing (expert ids and weights per token). A logit lens puts every recorded residual through the model's own
-head (final norm, output matrix; deepseek4's stream collapse first) and keeps each position's top 5. The taps realize
+head (`Model.head`: final norm, output matrix; deepseek4's stream collapse first) and keeps each position's top 5. The taps realize
 what they record, so the kernels differ from generation's; the arithmetic is the same (tests/test_probe.py holds the
 hidden states to transformers' `output_hidden_states`)."""
 from __future__ import annotations
@@ -36,13 +36,6 @@ class _Tap:
     out = self.inner(*args, **kw)
     self.record(out.realize().numpy())
     return out
-
-def _head(model, h: Tensor) -> Tensor:
-  """The model's own head on residual rows (what its forward does after the last block)."""
-  if hasattr(model, "output_hc"): h = model.output_hc.head(h)
-  logits = model.output(model.output_norm(h))
-  cap = getattr(model.cfg, "logit_softcap", 0.0)
-  return (logits / cap).tanh() * cap if cap else logits
 
 def run(runner, tokens: list[int], chunk: int | None = None) -> Probe:
   """Every block's residual and attention output, the MoE routing and the logit lens over `tokens` from position 0,
@@ -81,7 +74,7 @@ def run(runner, tokens: list[int], chunk: int | None = None) -> Probe:
     p.routes[i] = (ids.reshape(len(tokens), -1), w.reshape(len(tokens), -1))
   with precision.matmuls_in(m.precision.matmul):
     for h in p.hidden:
-      top = _head(m, Tensor(h[None], device=runner.device)).topk(TOP)
+      top = m.head(Tensor(h[None], device=runner.device)).topk(TOP)
       p.lens.append((top[1].numpy()[0].astype(np.int64), top[0].numpy()[0]))
   return p
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from tinygrad import dtypes
 
 from tg_ds4.backend.gpu import kernel_opts as gpu_kernel_opts
+from tg_ds4.backend.gpu.kernel_opts import weight_operand
 from tg_ds4.compat import AxisType, ClangRenderer, KernelOptError, Opt, OptOps, Ops, PatternMatcher, Scheduler, UOp, UPat, codegen, heuristic, \
   prod, worker
 
@@ -68,14 +69,11 @@ _hand_coded, _init_tinygrad_worker = heuristic.hand_coded_optimizations, worker.
 _tinygrad_coalescing = codegen.memory_coalescing
 _clang_extra = ClangRenderer.extra_matcher
 
-def _weight(k: Scheduler) -> UOp:  # the operand that streams from memory: the largest buffer
-  return max(k.bufs, key=lambda b: b.src[0].max_numel() * b.src[0].dtype.itemsize)
-
 def _ints(k: Scheduler, axes) -> bool: return all(isinstance(k.full_shape[a], int) for a in axes)
 
 def _lanes_first(k: Scheduler, out: Scheduler) -> Scheduler:
   if not any(o.op is OptOps.UPCAST for o in out.applied_opts): return out
-  alt, weight = k.copy(), _weight(k)
+  alt, weight = k.copy(), weight_operand(k)
   try:
     for o in out.applied_opts:
       if o.op is not OptOps.UPCAST or alt.rngs[alt.real_axis(o.op, o.axis)] not in weight.src[1].get_idx().backward_slice: alt.apply_opt(o)
@@ -102,7 +100,7 @@ def _threads(k: Scheduler, axis: int) -> list[Opt]:
 
 def _gemm(k: Scheduler) -> Scheduler | None:
   """The GEMM opts for a float32 weight contiguous along its one output axis, tokens along the other; None otherwise."""
-  weight = _weight(k)
+  weight = weight_operand(k)
   if len(k.unrollable_dims) != 1 or weight.src[0].dtype != dtypes.float32: return None
   idx = weight.src[1].get_idx()
   outs = [a for a in k.upcastable_dims if isinstance(k.full_shape[a], int)]

@@ -19,7 +19,7 @@ from tg_ds4.compat import AxisType, KernelOptError, Opt, OptOps, Ops, Scheduler
 THREADS, WORKGROUP = 32, 128  # threads per row at most (the grouped axis must divide by it), threads per workgroup
 NESTED = (AxisType.REDUCE, AxisType.UNROLL, AxisType.GROUP_REDUCE)
 
-def _weight(k: Scheduler):  # the operand that streams from memory: the largest buffer
+def weight_operand(k: Scheduler):  # the operand that streams from memory: the largest buffer (both heuristics)
   return max(k.bufs, key=lambda b: b.src[0].max_numel() * b.src[0].dtype.itemsize)
 
 def _divisor(n: int, most: int) -> int:
@@ -32,7 +32,7 @@ def packed_gemv(k: Scheduler) -> Scheduler | None:
   if getattr(ren, "has_threads", False) or not ren.has_local or not ren.has_shared: return None
   if k.reduceop is None or k.reduceop.arg[0] is not Ops.ADD or not k.full_shape: return None
   if not all(isinstance(s, int) for s in k.full_shape): return None
-  weight = _weight(k)
+  weight = weight_operand(k)
   if weight.src[0].dtype.itemsize != 1: return None
   outs, red = k.axes_of(AxisType.GLOBAL), k.axes_of(AxisType.REDUCE)
   seen = weight.src[1].get_idx().backward_slice
