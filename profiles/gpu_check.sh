@@ -5,7 +5,9 @@
 #   2. the reference tests on the GPU in float32 (TG_DS4_TEST_DEV, TG_DS4_PRECISION=f32): the deepseek2 fixtures,
 #      deepseek4 and GPT-2 against the stored transformers and llama.cpp logits, at the CPU's tolerances;
 #   3. profile of the V2-Lite-shaped benchmark file (made here by profiles/make_bench_model.py) with tinygrad's own kernel
-#      heuristic (TG_DS4_KERNEL_OPTS=0) and with ours (backend/gpu/kernel_opts.py), then bench with ours.
+#      heuristic (TG_DS4_KERNEL_OPTS=0) and with ours (backend/gpu/kernel_opts.py), then bench with ours;
+#   4. (STEPS=...v4...) the same profile and bench for the V4-Flash-shaped file (9.5 GB, its quant mix).
+# STEPS picks among jobs, v2lite, stock, f32 and v4 (default: all but v4).
 # Each step has its own time limit and log under $OUT. Wheels for what the machine lacks (tinygrad, gguf, the server's
 # libraries) travel in .whl/ (see the device tool's README); everything else comes from the machine's python3.
 set -u
@@ -35,16 +37,27 @@ DEV=$GPU python3 -c "from tinygrad import Tensor, Device; print(Device.DEFAULT, 
   GPU=NV; DEV=NV python3 -c "from tinygrad import Tensor, Device; print(Device.DEFAULT, (Tensor([1., 2.]) + 1).tolist())" || exit 1; }
 echo "device $GPU" | tee -a "$OUT/summary"
 FLOAT32=${F32_K:-_transformers}
+STEPS=${STEPS:-jobs v2lite stock f32}
+on() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 export TG_DS4_TEST_DEV=$GPU
-step decode_jobs ${JOBS_S:-110} env TG_DS4_GPU=$GPU python3 -m pytest -q -s -p no:cacheprovider --durations=5 tests/test_devices.py -k decodes
+on jobs && step decode_jobs ${JOBS_S:-110} env TG_DS4_GPU=$GPU python3 -m pytest -q -s -p no:cacheprovider --durations=5 tests/test_devices.py -k decodes
 unset TG_DS4_TEST_DEV
 export DEV=$GPU
-step make_bench ${MAKE_S:-60} python3 profiles/make_bench_model.py v2lite
-BENCH=$(python3 -c "import sys; sys.path.insert(0, '.'); from tg_ds4.registry import cache_dir; print(cache_dir() / 'bench')")/v2lite-4L-Q4_0.gguf
-step profile_stock ${PROFILE_S:-90} env TG_DS4_KERNEL_OPTS=0 python3 -m tg_ds4 profile -m "$BENCH" --out /tmp/profile_stock
-step profile ${PROFILE_S:-90} python3 -m tg_ds4 profile -m "$BENCH" --out /tmp/profile_ours
-step bench ${BENCH_S:-120} python3 -m tg_ds4 bench -m "$BENCH" --prompt-tokens 128 --gen 64 --repeat 2
+BENCHES=$(python3 -c "import sys; sys.path.insert(0, '.'); from tg_ds4.registry import cache_dir; print(cache_dir() / 'bench')")
+if on v2lite; then
+  step make_bench ${MAKE_S:-60} python3 profiles/make_bench_model.py v2lite
+  BENCH=$BENCHES/v2lite-4L-Q4_0.gguf
+  on stock && step profile_stock ${PROFILE_S:-90} env TG_DS4_KERNEL_OPTS=0 python3 -m tg_ds4 profile -m "$BENCH" --out /tmp/profile_stock
+  step profile ${PROFILE_S:-90} python3 -m tg_ds4 profile -m "$BENCH" --out /tmp/profile_ours
+  step bench ${BENCH_S:-120} python3 -m tg_ds4 bench -m "$BENCH" --prompt-tokens 128 --gen 64 --repeat 2
+fi
+if on v4; then
+  step make_bench_v4 ${MAKE_V4_S:-150} python3 profiles/make_bench_model.py v4flash
+  BENCH=$BENCHES/v4flash-4L-q2.gguf
+  step profile_v4 ${PROFILE_S:-150} python3 -m tg_ds4 profile -m "$BENCH" --out /tmp/profile_v4
+  step bench_v4 ${BENCH_S:-150} python3 -m tg_ds4 bench -m "$BENCH" --prompt-tokens 128 --gen 64 --repeat 2
+fi
 export TG_DS4_TEST_DEV=$GPU
-step f32 ${F32_S:-180} env TG_DS4_PRECISION=f32 python3 -m pytest -q -s -p no:cacheprovider --durations=5 tests/test_reference.py \
+on f32 && step f32 ${F32_S:-180} env TG_DS4_PRECISION=f32 python3 -m pytest -q -s -p no:cacheprovider --durations=5 tests/test_reference.py \
   tests/test_ds4.py tests/test_gpt2.py -k "$FLOAT32"
 cat "$OUT/summary"

@@ -12,7 +12,7 @@ import tinygrad.codegen as cg
 from tinygrad.uop.ops import AxisType, Ops, UOp, graph_rewrite
 
 from tg_ds4.backend.cpu import kernel_opts
-from tg_ds4.quant import QTYPE_BY_NAME, QTensor, linear
+from tg_ds4.quant import QTYPE_BY_NAME, QTensor, linear, panel_gemm
 
 @pytest.fixture(autouse=True, scope="module")
 def installed():  # as when a CPU model is loaded (backend.prepare_device); the rendering tests read the installed rewrites
@@ -89,6 +89,28 @@ def test_transposing_unpack_reads_each_block_once():
   ours = kernel_opts.cpu_heuristic(k.copy())
   assert ours.applied_opts[0].op is OptOps.UPCAST and ours.applied_opts[0].arg == kernel_opts.UNPACK_ROWS, ours.applied_opts
   assert ours.applied_opts[1].op is OptOps.UPCAST and ours.applied_opts[1].arg == 0  # the whole byte run of a block
+
+def test_panel_gemm_reads_each_panel_contiguously_and_splits_panels_over_cores():
+  """layers.matmul's CPU prefill form: the weight unpacked once as panels `[out/n, in, n]`, each a contiguous run; the GEMM
+  holds n outputs x a few tokens per iteration, the panels split over the cores."""
+  tokens, n = kernel_opts.CPU.gemm
+  unpack, gemm = schedulers(panel_gemm(Tensor.ones(1, 32, 1024).contiguous().realize(), packed("Q4_0", 4096, 1024).dequant(dtypes.float32), n))
+  u = kernel_opts.cpu_heuristic(unpack.copy())
+  # a panel row x the whole byte run of a block per iteration
+  assert u.applied_opts[:2] == [Opt(OptOps.UPCAST, 4, n), Opt(OptOps.UPCAST, 3, 0)], (unpack.full_shape, u.applied_opts)
+  assert gemm.full_shape == [4096 // n, 32, n, 1024]  # panels outermost: each stays in cache while every token passes it
+  g = kernel_opts.cpu_heuristic(gemm.copy())
+  assert g.applied_opts[:2] == [Opt(OptOps.UPCAST, 1, tokens), Opt(OptOps.UPCAST, 2, n)], g.applied_opts
+  assert [o.axis for o in g.applied_opts if o.op is OptOps.THREAD] == ([0] if Device[Device.DEFAULT].renderer.global_max[0] > 1 else [])
+
+def test_panel_gemm_values():
+  rng, qt, n = np.random.default_rng(1), QTYPE_BY_NAME["Q4_0"], kernel_opts.CPU.gemm[1]
+  blocks = rng.integers(0, 256, (256, 512 // 32, qt.nbytes), dtype=np.uint8)
+  blocks[..., :2] = (rng.standard_normal((256, 16, 1)) * 0.01).astype(np.float16).view(np.uint8)
+  w = QTensor(Tensor(blocks).realize(), qt, (256, 512)).dequant(dtypes.float32)
+  x = rng.standard_normal((2, 16, 512)).astype(np.float32)
+  ref = x.astype(np.float64) @ w.numpy().astype(np.float64).T
+  np.testing.assert_allclose(panel_gemm(Tensor(x), w, n).numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 def test_other_kernels_unchanged():
   w = Tensor.ones(256, 64).contiguous().realize()  # [out, in]: contiguous along the reduce axis, neither GEMM_OPTS nor lanes

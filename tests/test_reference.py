@@ -170,12 +170,16 @@ def clear_prefix(margins: list[float]) -> int:
 
 @pytest.mark.parametrize("fam,q", QUANT_FILES)
 def test_quantized_vs_llama_cpp(fam, q):
-  """With llama.cpp's activation rounding: top-1 equal to llama.cpp's own run of the file on >= 95% of prompt
-  positions, logits within 0.15 (one flipped rounding or routing choice moves them by 0.03-0.1), and the greedy
-  continuation identical for as long as llama.cpp's top-2 margin is clear (NEAR_TIE)."""
+  """With llama.cpp's activation rounding: top-1 equal to llama.cpp's own run of the file on >= 95% of the prompt
+  positions where llama.cpp's top-2 margin is clear (NEAR_TIE, as for the greedy steps), logits within 0.15 (one
+  flipped rounding or routing choice moves them by 0.03-0.1), and the greedy continuation identical for as long as
+  llama.cpp's top-2 margin is clear. (ds3k Q4_K_M: margins of 0.0017 and 0.0057 at two of its 32 positions, while our
+  own decode and prefill, the same math summed in two orders, differ by up to 0.098 there.)"""
   g, r = manifest(fam)["ggufs"][q], run(fam, q, llama_cpp=True)
   ll = np.load(ROOT / fam / g["logits"])
-  agree, n = float((r["prefill"].argmax(-1) == ll.argmax(-1)).mean()), clear_prefix(g["greedy_top2_margin"])
+  top2 = np.sort(ll, -1)[..., -2:]
+  clear = (top2[..., 1] - top2[..., 0]) >= NEAR_TIE
+  agree, n = float((r["prefill"].argmax(-1) == ll.argmax(-1))[clear].mean()), clear_prefix(g["greedy_top2_margin"])
   print(f"\n{fam} {q} vs llama.cpp: max|d| {np.abs(r['prefill'] - ll).max():.2e}, top-1 agreement {agree:.1%}, greedy "
         f"{'identical' if r['greedy'] == g['greedy_ids'] else 'differs'} (first {n} steps compared)")
   assert agree >= 0.95 and np.abs(r["prefill"] - ll).max() <= 0.15

@@ -13,11 +13,12 @@ import numpy as np
 
 from tinygrad import Tensor, UOp, dtypes
 
+from tg_ds4 import backend
 from tg_ds4.actquant import round_activations
 from tg_ds4.compat import Buffer, BufferSpec, Ops, _from_np_dtype, _to_np_dtype, prod
 from tg_ds4.gguf import GGUFError, GGUFFile
 from tg_ds4.precision import matmul_dtype
-from tg_ds4.quant import QTensor, Weight, as_tensor, linear
+from tg_ds4.quant import QTensor, Weight, as_tensor, linear, panel_gemm
 
 
 class Param:
@@ -45,8 +46,11 @@ class Linear:
 def matmul(x: Tensor, w: Weight, bias: Weight | None = None) -> Tensor:
   """What `Linear` computes, for a weight held elsewhere (a group of rows of a bigger one)."""
   if isinstance(w, QTensor) and w.qtype.quantized and prod(x.shape[:-1]) > 1 and prod(w.shape) * 4 <= Linear.HOIST_MAX_BYTES:
+    x = round_activations(x, w.qtype.name)
+    if w.ndim == 2 and (n := backend.gemm_panel(w.device)) and w.shape[0] % n == 0:
+      return panel_gemm(x, w.dequant(matmul_dtype()), n, bias)
     # stored [in, out]: the GEMM holds a vector of outputs per weight load (see kernel_opts)
-    return linear(round_activations(x, w.qtype.name), w.dequant(matmul_dtype()).T.contiguous().T, bias)
+    return linear(x, w.dequant(matmul_dtype()).T.contiguous().T, bias)
   return linear(x, w, bias)
 
 def fusable(*parts: Linear) -> bool:

@@ -14,6 +14,14 @@ from tg_ds4.compat import CapturedJit
 
 def on_cpu(device: str | None) -> bool: return (device or Device.DEFAULT).split(":")[0] == "CPU"
 
+def gemm_panel(device: str) -> int | None:
+  """How many outputs a panel of a prefill GEMM's unpacked weight holds on `device` (layers.matmul lays the float copy
+  out as `[out / n, in, n]`: every iteration of the GEMM kernel then reads one contiguous run), or None for the plain
+  `[in, out]` copy. On the CPU, the outputs of one vector GEMM iteration (backend/cpu/kernel_opts.py)."""
+  if not on_cpu(device) or not compat.kernel_opts_on(): return None
+  from tg_ds4.backend.cpu.kernel_opts import CPU
+  return CPU.gemm[1]
+
 def in_range_gathers(device: str) -> bool:
   """Whether a gather index (expert or token ids, always in range) is taken modulo its axis as unsigned before it
   indexes packed weights on `device`: the CPU's C compiler can then prove every gathered row in range and vectorizes

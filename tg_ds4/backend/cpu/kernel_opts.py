@@ -104,16 +104,20 @@ def _gemm(k: Scheduler) -> Scheduler | None:
   if len(k.unrollable_dims) != 1 or weight.src[0].dtype != dtypes.float32: return None
   idx = weight.src[1].get_idx()
   outs = [a for a in k.upcastable_dims if isinstance(k.full_shape[a], int)]
-  o = [a for a in outs if k.rngs[a] in idx.backward_slice]
+  ws = [a for a in outs if k.rngs[a] in idx.backward_slice]
   t = [a for a in outs if k.rngs[a] not in idx.backward_slice]
-  if len(o) != 1 or len(t) != 1 or not any(c is k.rngs[o[0]] for c in idx.split_uop(Ops.ADD)): return None  # stride 1 along o
+  o = [a for a in ws if any(c is k.rngs[a] for c in idx.split_uop(Ops.ADD))]  # the weight's stride-1 output axis
+  # a `[in, out]` weight has that one output axis; a panel copy (`[out / n, in, n]`, quant.panel_gemm) a second, the
+  # panel, which is then the axis split over the cores
+  if len(t) != 1 or len(o) != 1 or len(ws) > 2: return None
   (o,), (t,), (tokens, vec) = o, t, CPU.gemm
-  if k.full_shape[o] % vec or k.full_shape[t] % tokens: return None
+  panel = next((a for a in ws if a != o), None)
+  if k.full_shape[o] % vec or k.full_shape[t] % tokens or (panel is not None and k.full_shape[o] != vec): return None
   alt = k.copy()
   try:
     # tokens first: the accumulators are then laid out token-major, and clang vectorizes them along the outputs
     for opt in [Opt(OptOps.UPCAST, t, tokens), Opt(OptOps.UPCAST, o, vec)]: alt.apply_opt(opt)
-    for opt in _threads(alt, o): alt.apply_opt(opt)
+    for opt in _threads(alt, o if panel is None else panel): alt.apply_opt(opt)
   except KernelOptError: return None
   return alt
 
@@ -129,10 +133,12 @@ def _transposing_unpack(k: Scheduler) -> Scheduler | None:
   if k.unrollable_dims or not packed or not k.full_shape or not _ints(k, range(len(k.full_shape))): return None
   lanes = sorted({a for b in packed for a in _stride1(b, k)})
   outs = [a for b in k.bufs if b.src[0].dtype == dtypes.float32 for a in _stride1(b, k) if a not in lanes]
-  if len(lanes) != 1 or len(outs) != 1 or k.full_shape[outs[0]] % UNPACK_ROWS or k.full_shape[lanes[0]] > 32: return None
+  # (a panel copy's output axis is a whole panel: 8 or 16 rows)
+  if len(lanes) != 1 or len(outs) != 1 or (rows := min(UNPACK_ROWS, k.full_shape[outs[0]])) < 8 or k.full_shape[outs[0]] % rows or \
+      k.full_shape[lanes[0]] > 32: return None
   alt = k.copy()
   try:
-    for opt in [Opt(OptOps.UPCAST, outs[0], UNPACK_ROWS), Opt(OptOps.UPCAST, lanes[0], 0)] + _threads(k, 0): alt.apply_opt(opt)
+    for opt in [Opt(OptOps.UPCAST, outs[0], rows), Opt(OptOps.UPCAST, lanes[0], 0)] + _threads(k, 0): alt.apply_opt(opt)
   except KernelOptError: return None
   return alt
 
