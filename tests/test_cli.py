@@ -23,7 +23,7 @@ def tg(*args, timeout=600):
   (["logits", "-m", DS3, "--tokens", "1,512"], "token ids [512] are outside the vocabulary [0, 512)"),
   (["generate", "-m", DS3, "-p", "hi", "--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
   (["generate", "-m", DS3, "-p", "hi", "--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
-  (["generate", "-m", str(FIX), "-p", "hi"], "is a directory, expected a .gguf file"),
+  (["generate", "-m", str(FIX), "-p", "hi"], "is a directory without config.json, expected a .gguf file or a Hugging Face checkpoint folder"),
   (["serve", "-m", DS4, "--kv-cache-dir", "unused-kv-dir", "--port", "1"], "is a deepseek4 model, whose caches"),
   (["generate", "-m", str(FIX / "gpt2/gpt2-Q8_0.gguf"), "-p", "hi", "--max-context", "300"],
    "learned positions (position_embd) for 128 tokens, a context of 300 was asked for"),

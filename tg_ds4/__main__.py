@@ -13,11 +13,15 @@ from tg_ds4.gguf import GGUFError
 class UsageError(ValueError):
   """Bad command-line input: reported as one line, exit 2."""
 
-def cmd_inspect(args) -> int:
-  from tg_ds4.gguf import GGUFFile
+def _open(args):
+  """The -m model: a GGUF file, a checkpoint folder (with --quantize, quantized at load) or a registry name."""
+  from tg_ds4.checkpoint import open_model
   from tg_ds4.registry import resolve
+  return open_model(resolve(args.model), getattr(args, "quantize", None))
+
+def cmd_inspect(args) -> int:
   from tg_ds4.summary import format_text, summarize
-  gf = GGUFFile(resolve(args.model))
+  gf = _open(args)
   if args.dump:
     import numpy as np
     from tinygrad import dtypes
@@ -36,14 +40,13 @@ def cmd_inspect(args) -> int:
 def cmd_logits(args) -> int:
   import numpy as np
 
-  from tg_ds4.registry import resolve
   from tg_ds4.runner import Runner
   try: tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
   except ValueError: raise UsageError(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
   if not tokens: raise UsageError("--tokens is empty")
   if args.max_context and len(tokens) > args.max_context:
     raise UsageError(f"--tokens has {len(tokens)} tokens; --max-context {args.max_context} holds fewer")
-  runner = Runner.load(resolve(args.model), max_ctx=args.max_context or len(tokens))
+  runner = Runner.load(_open(args), max_ctx=args.max_context or len(tokens))
   if bad := [t for t in tokens if not 0 <= t < runner.model.cfg.n_vocab]:
     raise UsageError(f"token ids {bad[:5]} are outside the vocabulary [0, {runner.model.cfg.n_vocab})")
   if args.prefill_tokens is not None and (args.mode != "engine" or not 0 <= args.prefill_tokens <= len(tokens)):
@@ -58,11 +61,9 @@ def cmd_logits(args) -> int:
 
 def cmd_probe(args) -> int:
   from tg_ds4 import probe
-  from tg_ds4.gguf import GGUFFile
-  from tg_ds4.registry import resolve
   from tg_ds4.runner import Runner
   from tg_ds4.tokenizer import Tokenizer
-  gf = GGUFFile(resolve(args.model))
+  gf = _open(args)
   tok = Tokenizer.from_gguf(gf)
   if args.tokens is not None:
     try: tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
@@ -86,11 +87,9 @@ def cmd_probe(args) -> int:
 
 def _load(args):
   from tg_ds4.arch import default_context
-  from tg_ds4.gguf import GGUFFile
-  from tg_ds4.registry import resolve
   from tg_ds4.runner import Runner
   from tg_ds4.tokenizer import Tokenizer
-  gf = GGUFFile(resolve(args.model))
+  gf = _open(args)
   return gf, Runner.load(gf, max_ctx=args.max_context or default_context(gf)), Tokenizer.from_gguf(gf)
 
 def _sampling(args):
@@ -128,10 +127,8 @@ def cmd_generate(args) -> int:
   return 0
 
 def cmd_tokenize(args) -> int:
-  from tg_ds4.gguf import GGUFFile
-  from tg_ds4.registry import resolve
   from tg_ds4.tokenizer import Tokenizer
-  tok = Tokenizer.from_gguf(GGUFFile(resolve(args.model)))
+  tok = Tokenizer.from_gguf(_open(args))
   print(json.dumps(tok.encode(args.text, add_special=not args.no_bos, parse_special=args.special)))
   return 0
 
@@ -172,7 +169,7 @@ def cmd_bench(args) -> int:
     try: import llama_cpp  # noqa: F401
     except ImportError: raise UsageError("--vs-llama-cpp needs llama-cpp-python (pip install llama-cpp-python==0.3.36)") from None
   if args.prompt_tokens < 1 or args.gen < 2 or args.repeat < 1: raise UsageError("--prompt-tokens >= 1, --gen >= 2 and --repeat >= 1")
-  try: r = bench.run(args.model, args.prompt_tokens, args.gen, args.repeat, args.vs_llama_cpp)
+  try: r = bench.run(args.model, args.prompt_tokens, args.gen, args.repeat, args.vs_llama_cpp, args.quantize)
   except bench.BenchError as e: raise UsageError(str(e)) from None
   print(json.dumps(r, indent=1) if args.json else bench.format_text(r))
   return 0
@@ -188,7 +185,7 @@ def cmd_profile(args) -> int:
   from tg_ds4.runner import Runner
   if (args.pos is not None and args.pos < 0) or args.repeat < 1: raise UsageError("--pos >= 0 and --repeat >= 1")
   path = resolve(args.model)
-  model = Runner.load(path, max_ctx=(127 if args.pos is None else args.pos) + 1).model
+  model = Runner.load(_open(args), max_ctx=(127 if args.pos is None else args.pos) + 1).model
   pos = model.max_ctx - 1 if args.pos is None else args.pos
   if pos >= model.max_ctx: raise UsageError(f"--pos {pos} is past the model's context of {model.max_ctx}")
   res = {"model": args.model, "file": str(path), **profile.profile_model(model, pos, args.repeat, args.prefill)}
@@ -209,9 +206,7 @@ def cmd_serve(args) -> int:
   if not (args.head_timeout > 0 and args.body_timeout > 0): raise UsageError("--head-timeout, --body-timeout: > 0 seconds")
   if args.kv_cache_dir:
     from tg_ds4.arch import ARCHS
-    from tg_ds4.gguf import GGUFFile
-    from tg_ds4.registry import resolve
-    gf = GGUFFile(resolve(args.model))
+    gf = _open(args)
     if (a := ARCHS.get(gf.arch)) is not None and not a.model.PREFIX_ROWS:
       raise UsageError(f"--kv-cache-dir: {gf.path.name} is a {gf.arch} model, whose caches (rings and compressor state) cannot be saved "
                        f"as a prefix's rows; serve it without --kv-cache-dir (prefixes are still reused in memory)")
@@ -239,17 +234,24 @@ def cmd_cache(args) -> int:
   print(f"{len(rows)} entries, {total / 1e6:.1f} MB in {stepcache.directory()} ({state})")
   return 0
 
+def add_quantize(s) -> None:
+  from tg_ds4.checkpoint import QUANTIZE
+  s.add_argument("--quantize", choices=QUANTIZE, help="a checkpoint folder's matrices quantized at load, one tensor at a time (default: "
+                                                     "its own float types)")
+
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="tg_ds4", description="DeepSeek-family GGUF inference on tinygrad")
   sub = p.add_subparsers(dest="command", required=True)
   s = sub.add_parser("inspect", help="summarise a GGUF file or registry model")
-  s.add_argument("model", help="path to a .gguf file or a short model name (see `models`)")
+  s.add_argument("model", help="path to a .gguf file, a checkpoint folder or a short model name (see `models`)")
+  add_quantize(s)
   s.add_argument("--json", action="store_true", help="machine-readable output, with every tensor")
   s.add_argument("--dump", metavar="TENSOR", help="write this tensor's dequantized values (float32, tinygrad order)")
   s.add_argument("--out", metavar="F.npy", help="output file for --dump")
   s.set_defaults(fn=cmd_inspect)
   s = sub.add_parser("logits", help="float32 logits [n_tokens, vocab] for a token-id sequence (the correctness probe)")
-  s.add_argument("-m", "--model", required=True, help="path to a .gguf file or a short model name")
+  s.add_argument("-m", "--model", required=True, help="a .gguf file, a Hugging Face checkpoint folder or a short model name")
+  add_quantize(s)
   s.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 1,2,3")
   s.add_argument("--mode", choices=["prefill", "decode", "engine"], default="prefill",
                  help="one forward over all tokens; one token at a time; or as generation runs: the first K tokens through its "
@@ -268,21 +270,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-context", type=int, default=0, help="KV cache length (default 4096, or the model's context if smaller; "
                                                                  "past the model's: a warning)")
   s = sub.add_parser("generate", help="continue a prompt, streaming only the generated text to stdout")
-  s.add_argument("-m", "--model", default="smollm2", help="path to a .gguf file or a short model name (default smollm2)")
+  s.add_argument("-m", "--model", default="smollm2", help="a .gguf file, a Hugging Face checkpoint folder or a short model name (default smollm2)")
+  add_quantize(s)
   add_beam(s)
   s.add_argument("-p", "--prompt", required=True, help="the prompt text")
   s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user message")
   sampling_args(s)
   s.set_defaults(fn=cmd_generate)
   s = sub.add_parser("chat", help="interactive multi-turn chat using the model's template")
-  s.add_argument("-m", "--model", default="smollm2", help="path to a .gguf file or a short model name (default smollm2)")
+  s.add_argument("-m", "--model", default="smollm2", help="a .gguf file, a Hugging Face checkpoint folder or a short model name (default smollm2)")
+  add_quantize(s)
   add_beam(s)
   s.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
                  help="reasoning on/off (template variables thinking / enable_thinking; default: the template's own)")
   sampling_args(s)
   s.set_defaults(fn=cmd_chat)
   s = sub.add_parser("probe", help="per-layer activations, MoE routing and a logit lens for a prompt, as .npy/JSON/PNG files")
-  s.add_argument("-m", "--model", required=True, help="path to a .gguf file or a short model name")
+  s.add_argument("-m", "--model", required=True, help="a .gguf file, a Hugging Face checkpoint folder or a short model name")
+  add_quantize(s)
   g = s.add_mutually_exclusive_group(required=True)
   g.add_argument("-p", "--prompt", help="the prompt text (tokenized with the model's BOS/EOS rules)")
   g.add_argument("--tokens", help="comma-separated token ids instead of a prompt")
@@ -290,13 +295,15 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--out", required=True, metavar="DIR", help="directory for the files")
   s.set_defaults(fn=cmd_probe)
   s = sub.add_parser("tokenize", help="print the token ids of TEXT as JSON")
-  s.add_argument("-m", "--model", required=True, help="path to a .gguf file or a short model name")
+  s.add_argument("-m", "--model", required=True, help="a .gguf file, a Hugging Face checkpoint folder or a short model name")
+  add_quantize(s)
   s.add_argument("text")
   s.add_argument("--special", action="store_true", help="parse special-token texts (e.g. <|im_start|>) into their ids")
   s.add_argument("--no-bos", action="store_true", help="do not add the BOS/EOS tokens the model asks for")
   s.set_defaults(fn=cmd_tokenize)
   s = sub.add_parser("bench", help="prefill/decode tok/s, kernels and bytes per step, GB/s; optionally against llama.cpp")
-  s.add_argument("-m", "--model", default="smollm2", help="path to a .gguf file or a short model name (default smollm2)")
+  s.add_argument("-m", "--model", default="smollm2", help="a .gguf file, a Hugging Face checkpoint folder or a short model name (default smollm2)")
+  add_quantize(s)
   add_beam(s)
   s.add_argument("--prompt-tokens", type=int, default=128)
   s.add_argument("--gen", type=int, default=64)
@@ -305,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--vs-llama-cpp", action="store_true", help="also run llama.cpp (llama-cpp-python) on the same file and tokens")
   s.set_defaults(fn=cmd_bench)
   s = sub.add_parser("profile", help="time one decode step (and a prefill chunk) kernel by kernel, by block and op; CSV/JSON/PNG")
-  s.add_argument("-m", "--model", default="smollm2", help="path to a .gguf file or a short model name (default smollm2)")
+  s.add_argument("-m", "--model", default="smollm2", help="a .gguf file, a Hugging Face checkpoint folder or a short model name (default smollm2)")
+  add_quantize(s)
   add_beam(s)
   s.add_argument("--pos", type=int, help="decode position: the step attends over pos+1 cache rows (default 127, or the context's end)")
   s.add_argument("--repeat", type=int, default=10, help="replays per kernel timing; the median is kept (default 10)")
@@ -314,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--json", action="store_true")
   s.set_defaults(fn=cmd_profile)
   s = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server (one inference worker, streaming, prefix KV reuse)")
-  s.add_argument("-m", "--model", default="smollm2", help="path to a .gguf file or a short model name (default smollm2)")
+  s.add_argument("-m", "--model", default="smollm2", help="a .gguf file, a Hugging Face checkpoint folder or a short model name (default smollm2)")
+  add_quantize(s)
   add_beam(s)
   s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
   s.add_argument("--port", type=int, default=8000)

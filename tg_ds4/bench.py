@@ -80,11 +80,12 @@ def bench_llama_cpp(path, prompt: list[int], gen: int, repeat: int, threads: int
 class BenchError(ValueError):
   """Settings that cannot run on this model (reported as a usage error)."""
 
-def run(model: str, prompt_tokens: int = 128, gen: int = 64, repeat: int = 3, vs_llama_cpp: bool = False) -> dict:
+def run(model: str, prompt_tokens: int = 128, gen: int = 64, repeat: int = 3, vs_llama_cpp: bool = False, quantize: str | None = None) -> dict:
   from tg_ds4.arch import config_of
-  from tg_ds4.gguf import GGUFFile
+  from tg_ds4.checkpoint import Checkpoint, open_model
   path = resolve(model)
-  gf = GGUFFile(path)
+  gf = open_model(path, quantize)
+  if vs_llama_cpp and isinstance(gf, Checkpoint): raise BenchError(f"{path}: --vs-llama-cpp runs llama.cpp on a GGUF file, not a checkpoint folder")
   ctx = config_of(gf).ctx_len
   if prompt_tokens + gen + 8 > ctx:
     raise BenchError(f"{path}: {prompt_tokens} prompt + {gen} generated tokens do not fit its context of {ctx} (lower --prompt-tokens/--gen)")
@@ -92,7 +93,7 @@ def run(model: str, prompt_tokens: int = 128, gen: int = 64, repeat: int = 3, vs
   prompt = _prompt(tok, prompt_tokens)
   res = {"model": model, "file": str(path), "prompt_tokens": prompt_tokens, "gen": gen, "repeat": repeat,
          "threads": engine_threads(), "beam": int(os.environ.get("JITBEAM", 0)),
-         "tg_ds4": bench_tg(path, prompt, gen, repeat)}
+         "tg_ds4": bench_tg(gf, prompt, gen, repeat)}
   res["device"] = Device.DEFAULT
   if on_cpu(None):  # the host's streaming read is the CPU's roofline; a GPU's memory is another
     res["read_gbps"] = read_bandwidth(res["threads"])

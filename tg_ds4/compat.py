@@ -48,6 +48,13 @@ def internals_match() -> bool:
 
 def kernel_opts_on() -> bool: return os.environ.get("TG_DS4_KERNEL_OPTS", "1") != "0" and internals_match()
 
+def release_freed_buffers(device: str) -> None:
+  """Hand the buffers freed so far back to the system: tinygrad's allocator keeps freed buffers for reuse by size, and a
+  load that replaces in-memory weights (stacked q|k|v or gate|up rows of a quantized checkpoint) would otherwise keep
+  the replaced ones. Nothing to do if the allocator has no such cache."""
+  from tinygrad import Device
+  if internals_match() and callable(free := getattr(Device[device].allocator, "free_cache", None)): free()
+
 def fast_replay_on() -> bool: return os.environ.get("TG_DS4_FAST_REPLAY", "1") != "0" and internals_match()
 
 def lowering_target(dev: str) -> None:

@@ -7,7 +7,7 @@ import dataclasses
 
 from tinygrad import Tensor, UOp, dtypes
 
-from tg_ds4 import actquant, backend, precision
+from tg_ds4 import actquant, backend, compat, precision
 from tg_ds4.attention import GQA
 from tg_ds4.config import ModelConfig
 from tg_ds4.gguf import GGUFError, GGUFFile
@@ -76,7 +76,9 @@ class Transformer:
       if cfg.mla and f"blk.{i}.attn_k_b.weight" not in gf: _split_kv_b(b.attn, gf, i, device)
     load_weights(model, gf, device, rename)
     backend.prepare_model(model, device, llama_cpp_activations)
-    for b in model.blk: b.fuse()
+    for b in model.blk:
+      b.fuse()
+      compat.release_freed_buffers(device)  # the rows it replaced, if they were in memory (a quantized checkpoint)
     model.max_ctx, model.llama_cpp_activations, model.precision = max_ctx, llama_cpp_activations, precision.for_device(device)
     rows = max_ctx + cls.PREFILL_CHUNK  # slack for the padded tail of the last prefill chunk
     model.rope = rope_table(cfg.rope, rows, device) if cfg.rope.dim else None

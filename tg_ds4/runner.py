@@ -26,10 +26,11 @@ from math import prod
 import numpy as np
 from tinygrad import Context, Device, Tensor, UOp, dtypes
 
-from tg_ds4 import quant, stepcache
+from tg_ds4 import compat, quant, stepcache
 from tg_ds4.arch import Model, load_model
 from tg_ds4.backend import prepare_device
 from tg_ds4.compat import Buffer, _to_np_dtype
+from tg_ds4.checkpoint import open_model
 from tg_ds4.gguf import GGUFFile
 from tg_ds4.jit import Jit
 from tg_ds4.sampling import SamplingParams, greedy, sample
@@ -101,7 +102,7 @@ class Runner:
     """Load a model for `max_ctx` positions (default: the file's context). `llama_cpp_activations` rounds
     quantized-matmul inputs as llama.cpp's CPU backend does (see actquant.py): for token-exact comparisons with
     llama.cpp; the default is exact float math."""
-    gf = path if isinstance(path, GGUFFile) else GGUFFile(path)
+    gf = path if hasattr(path, "infos") else open_model(path)  # a GGUFFile or checkpoint.Checkpoint, or a path to either
     device = device or Device.DEFAULT
     prepare_device(device)
     # the few small kernels of a load (zeroed caches, rope tables, stacked rows) are lowered in this process: starting
@@ -109,6 +110,7 @@ class Runner:
     with Context(PARALLEL=0):
       quant.realize_tables(device)
       model = load_model(gf, device, max_ctx, llama_cpp_activations)
+    compat.release_freed_buffers(device)
     return Runner(model, stepcache.for_model(model, gf, device, max_ctx=model.max_ctx, llama_cpp_activations=llama_cpp_activations), device)
 
   # *** the captured steps

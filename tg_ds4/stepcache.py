@@ -69,7 +69,8 @@ def _environment(device: str) -> dict:
 
 def file_identity(gf) -> str:
   """A GGUF model (every split part): sizes and everything before the tensor data (header, metadata, tensor table), not
-  the mtime. Reads a few MB however large the file."""
+  the mtime. Reads a few MB however large the file. A checkpoint folder says its own (checkpoint.Checkpoint.identity)."""
+  if hasattr(gf, "identity"): return gf.identity()
   h = hashlib.sha256()
   for p in gf.paths:
     start = min((i.offset for i in gf.infos.values() if i.path == p), default=0)

@@ -42,7 +42,8 @@ def format_text(s: dict[str, Any]) -> str:
     f"{s['path']}" + (f"  ({s['splits']} splits)" if s["splits"] > 1 else ""),
     f"  architecture   {s['architecture'] or '(none)'}" + (f"   name: {s['name']}" if s["name"] else ""),
     f"  parameters     {_human(s['parameter_count'], '')}  ({s['parameter_count']:,})",
-    f"  file size      {_human(s['file_size'])}  ({s['file_size']:,} bytes, GGUF v{s['gguf_version']})",
+    f"  file size      {_human(s['file_size'])}  ({s['file_size']:,} bytes, "
+    + (f"GGUF v{s['gguf_version']})" if s['gguf_version'] else "safetensors)"),
     f"  tensors        {s['tensor_count']}",
   ]
   for t, h in s["tensor_types"].items(): lines.append(f"    {t:<8} {h['count']:>5} tensors  {_human(h['bytes']):>10}")

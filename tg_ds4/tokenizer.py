@@ -297,8 +297,14 @@ class Tokenizer:
     flags, self.byte_encode, self._gemma4 = "", True, False
     self.add_space_prefix, self.clean_spaces, self.ignore_merges, self.escape_whitespaces = self.spm, not self.spm, False, False
     self.add_bos, self.add_eos = self.spm, False
-    ids = {"bos": 1, "eos": 2, "unk": 0} if self.spm else {} if model == "gemma4" else {"bos": 11, "eos": 11}
-    if not self.spm:
+    ids = {"bos": 1, "eos": 2, "unk": 0} if self.spm else {} if model == "gemma4" or pre == "hf" else {"bos": 11, "eos": 11}
+    self._hf_pipeline = None
+    if pre == "hf":  # a checkpoint folder's tokenizer.json, whose own pipeline splits and merges (hf_tokenizer.py)
+      from tokenizers import Tokenizer as HFTokenizer
+      self._hf_pipeline = HFTokenizer.from_file(md["tokenizer.huggingface.json"])
+      self._hf_pipeline.encode_special_tokens = True  # special tokens are cut out here first, as for every vocab
+      self.clean_spaces = False
+    elif not self.spm:
       if pre in _UNSUPPORTED_PRE: raise ValueError(f"tokenizer.ggml.pre {pre!r} is not supported: llama.cpp uses {_UNSUPPORTED_PRE[pre]} for it")
       if pre not in _PRE: raise ValueError(f"unknown tokenizer.ggml.pre {pre!r} (llama.cpp refuses it too)")
       rset, flags = _PRE[pre]
@@ -342,7 +348,7 @@ class Tokenizer:
       if len(self._ranks) < len(pairs):  # a repeated pair keeps its first rank (std::map::emplace)
         self._ranks = {}
         for r, pr in enumerate(pairs): self._ranks.setdefault(pr, r)
-      self.backend = "python" if backend == "python" else self._init_hf()
+      self.backend = "tokenizer.json" if self._hf_pipeline is not None else "python" if backend == "python" else self._init_hf()
 
   # *** llama.cpp's token attribute fix-ups and end-of-generation set ***
 
@@ -483,6 +489,7 @@ class Tokenizer:
 
   def pretokenize(self, text: str) -> list[str]:
     """The pieces llama.cpp's regex split makes of one text fragment (before byte-level encoding)."""
+    if self._hf_pipeline is not None: return [text[a:b] for _, (a, b) in self._hf_pipeline.pre_tokenizer.pre_tokenize_str(text)]
     spans, col, wide = [(0, len(text))], None, None
     for pat, collapsed in self._stages:
       if collapsed: s = col = col if col is not None else text if text.isascii() else text.translate(_COLLAPSE)
@@ -491,6 +498,7 @@ class Tokenizer:
     return [text[a:b] for a, b in spans]
 
   def _bpe(self, text: str, out: list[int]):
+    if self._hf_pipeline is not None: out += self._hf_pipeline.encode(text, add_special_tokens=False).ids; return
     cache = self._cache
     if len(cache) > 1 << 18: cache.clear()
     for w in self.pretokenize(text):

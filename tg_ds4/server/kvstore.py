@@ -27,17 +27,20 @@ DTYPE = re.compile(r"[<>|=]?[biufc][0-9]{1,2}")
 TEMP = re.compile(r"\.([0-9a-f]{40})\.([0-9]{1,10})\.tmp")  # `_write`'s temp files: .KEY.PID.tmp
 log = logging.getLogger("tg_ds4.server")
 
-def model_fingerprint(gguf_path: str | os.PathLike, layout: list[tuple[str, tuple[int, ...], str, int]]) -> str:
+def model_fingerprint(gguf_path: str | os.PathLike, layout: list[tuple[str, tuple[int, ...], str, int]], identity: str | None = None) -> str:
   """Identity of the weights and of the cache layout: the file's size, its first 4 MiB (header and metadata) and 16
   samples of 64 KiB spread over the tensor data, plus each cache tensor's name, dtype and row shape (not its row count:
-  a different --max-context keeps the files valid)."""
+  a different --max-context keeps the files valid). A checkpoint folder's weights are named by `identity` instead
+  (checkpoint.Checkpoint.identity)."""
   h, path = hashlib.sha256(f"tg_ds4-kv-{FORMAT}".encode()), pathlib.Path(gguf_path)
-  size = path.stat().st_size
-  h.update(str(size).encode())
-  with open(path, "rb") as f:
-    h.update(f.read(4 << 20))
-    for i in range(16):
-      f.seek(size * i // 16); h.update(f.read(64 << 10))
+  if identity is not None: h.update(identity.encode())
+  else:
+    size = path.stat().st_size
+    h.update(str(size).encode())
+    with open(path, "rb") as f:
+      h.update(f.read(4 << 20))
+      for i in range(16):
+        f.seek(size * i // 16); h.update(f.read(64 << 10))
   h.update(json.dumps([(n, [d for i, d in enumerate(shape) if i != axis], dt, axis) for n, shape, dt, axis in layout]).encode())
   return h.hexdigest()
 

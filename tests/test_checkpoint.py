@@ -1,0 +1,130 @@
+"""Hugging Face checkpoint folders (tg_ds4/checkpoint.py, hf_tokenizer.py) against independent references: transformers'
+logits, greedy ids and tokenizations of the same folders (tests/fixtures/make_hf_fixtures.py), llama.cpp's converter's
+GGUF of the same DeepSeek-V3-style model (metadata and every tensor), and gguf-py's quantizer."""
+import json, os, pathlib, struct, subprocess, sys
+
+import gguf
+import numpy as np
+import pytest
+from gguf.quants import quantize
+from tinygrad import dtypes
+
+from tg_ds4.checkpoint import Checkpoint, open_model
+from tg_ds4.gguf import GGUFError, GGUFFile
+from tg_ds4.runner import GREEDY, Runner
+from tg_ds4.tokenizer import Tokenizer
+
+FIX = pathlib.Path(__file__).parent / "fixtures"
+HF = FIX / "hf"
+NAMES = ["llama", "qwen2", "ds3"]
+
+def ref(name: str) -> dict: return json.loads((HF / name / "reference.json").read_text())
+
+def test_ds3_is_what_llama_cpps_converter_writes():
+  """Metadata and tensors of the ds3 folder equal the converter's F32 GGUF of the same model: every model key (GGUF's
+  own version fields aside), the vocab, token types, merges and special ids, and every tensor bit for bit. The one
+  difference: the converter splits attn_kv_b into attn_k_b / attn_v_b, which the model does at load from attn_kv_b."""
+  c, g = Checkpoint(HF / "ds3"), GGUFFile(FIX / "deepseek2/ds3/ds3-F32.gguf")
+  for k, v in g.metadata.items():
+    if k.startswith(("GGUF.", "general.")) or k == "tokenizer.ggml.pre": continue
+    assert k in c.metadata, k
+    assert c.metadata[k] == v or (isinstance(v, float) and c.metadata[k] == pytest.approx(v, rel=1e-6)), (k, v, c.metadata[k])
+  split = {n for n in g.infos if n.endswith(("attn_k_b.weight", "attn_v_b.weight"))}
+  assert set(g.infos) - split == set(c.infos) - {n for n in c.infos if n.endswith("attn_kv_b.weight")}
+  for n in set(g.infos) - split:
+    np.testing.assert_array_equal(c.tensor(n).dequant(dtypes.float32).numpy(), g.tensor(n).dequant(dtypes.float32).numpy(), err_msg=n)
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_and_greedy_match_transformers(name):
+  r, want = ref(name), np.load(HF / name / "logits_hf.npy")
+  runner = Runner.load(Checkpoint(HF / name), max_ctx=64)
+  got = runner.prefill(r["token_ids"], chunk=len(r["token_ids"])).numpy()[0]
+  err = float(np.abs(got - want).max() / np.abs(want).max())
+  print(f"\n{name}: prefill vs transformers {err:.2e}")
+  assert err <= 2e-5
+  assert list(Runner.load(Checkpoint(HF / name), max_ctx=64).generate(r["token_ids"], len(r["greedy_ids"]), GREEDY)) == r["greedy_ids"]
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tokenizer_matches_transformers(name):
+  tok = Tokenizer.from_gguf(Checkpoint(HF / name))
+  assert tok.backend == "tokenizer.json"
+  for case in ref(name)["tokenizations"]:
+    assert tok.encode(case["text"], add_special=True, parse_special=True) == case["ids"], case["text"]
+    if "<" not in case["text"]: assert tok.decode(case["ids"]) == case["text"]
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+def test_quantize_at_load_is_gguf_pys_quantize(qtype):
+  """Each quantized matrix holds exactly gguf-py's blocks for the converter's float tensor of the same name; vectors, the
+  router and attn_kv_b stay float."""
+  c, g = Checkpoint(HF / "ds3", qtype), GGUFFile(FIX / "deepseek2/ds3/ds3-F32.gguf")
+  qt = gguf.GGMLQuantizationType[qtype.upper()]
+  quantized = [n for n, i in c.infos.items() if i.qtype.name == qtype.upper()]
+  assert "blk.1.ffn_gate_exps.weight" in quantized and "token_embd.weight" in quantized and "output.weight" in quantized
+  assert all(c.infos[n].qtype.name == "F32" for n in c.infos if n.endswith(("norm.weight", "ffn_gate_inp.weight", "attn_kv_b.weight", ".bias")))
+  for n in quantized:
+    want = quantize(g.tensor(n).dequant(dtypes.float32).numpy(), qt)
+    np.testing.assert_array_equal(c.tensor(n).blocks.numpy().reshape(want.shape), want, err_msg=n)
+
+def test_errors_name_the_file_and_what_was_expected(tmp_path):
+  with pytest.raises(GGUFError, match="is a directory without config.json"): open_model(tmp_path)
+  (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MambaForCausalLM"]}))
+  with pytest.raises(GGUFError, match="'MambaForCausalLM' is not supported"): open_model(tmp_path)
+  for f in ("config.json", "tokenizer.json", "tokenizer_config.json"): (tmp_path / f).write_bytes((HF / "llama" / f).read_bytes())
+  with pytest.raises(GGUFError, match="no model.safetensors"): open_model(tmp_path)
+  (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+  with pytest.raises(GGUFError, match="header length .* runs past the end"): open_model(tmp_path)
+  with pytest.raises(GGUFError, match="--quantize 'q4_k' is not supported"): open_model(HF / "llama", "q4_k")
+  with pytest.raises(GGUFError, match="--quantize applies to checkpoint folders"): open_model(FIX / "deepseek2/ds3/ds3-F32.gguf", "q4_0")
+
+def _write_big_llama(d: pathlib.Path, layers: int = 8, dim: int = 1024, ff: int = 4096, vocab: int = 8192) -> int:
+  """A random llama checkpoint of ~580 MB float32 (no transformers needed); returns its largest tensor's bytes."""
+  rng = np.random.default_rng(0)
+  shapes = {"model.embed_tokens.weight": (vocab, dim), "model.norm.weight": (dim,), "lm_head.weight": (vocab, dim)}
+  for i in range(layers):
+    p = f"model.layers.{i}."
+    shapes.update({p + "input_layernorm.weight": (dim,), p + "post_attention_layernorm.weight": (dim,),
+                   p + "self_attn.q_proj.weight": (dim, dim), p + "self_attn.k_proj.weight": (dim // 2, dim),
+                   p + "self_attn.v_proj.weight": (dim // 2, dim), p + "self_attn.o_proj.weight": (dim, dim),
+                   p + "mlp.gate_proj.weight": (ff, dim), p + "mlp.up_proj.weight": (ff, dim), p + "mlp.down_proj.weight": (dim, ff)})
+  header, off = {}, 0
+  for n, s in shapes.items():
+    header[n] = {"dtype": "F32", "shape": list(s), "data_offsets": [off, off + 4 * int(np.prod(s))]}; off += 4 * int(np.prod(s))
+  hj = json.dumps(header).encode()
+  with open(d / "model.safetensors", "wb") as f:
+    f.write(struct.pack("<Q", len(hj)) + hj)
+    for n, s in shapes.items(): f.write((rng.standard_normal(s, dtype=np.float32) * 0.02).tobytes())
+  cfg = json.loads((HF / "llama" / "config.json").read_text())
+  cfg.update(hidden_size=dim, intermediate_size=ff, num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8, head_dim=dim // 16,
+             vocab_size=vocab)
+  (d / "config.json").write_text(json.dumps(cfg))
+  for f in ("tokenizer.json", "tokenizer_config.json"): (d / f).write_bytes((HF / "llama" / f).read_bytes())
+  return max(4 * int(np.prod(s)) for s in shapes.values())
+
+RSS_SCRIPT = """
+import re, sys
+from tg_ds4.checkpoint import Checkpoint
+from tg_ds4.runner import Runner
+kb = lambda key: int(re.search(key + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+Runner.load(Checkpoint(sys.argv[2]), max_ctx=16)  # the runtime's one-time setup (compiler, tables) before measuring
+open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) restarts from the resident size now
+base = kb("VmRSS")
+c = Checkpoint(sys.argv[1], "q4_0")
+r = Runner.load(c, max_ctx=16)
+print(base, kb("VmHWM"), sum(i.nbytes for i in c.infos.values()))
+"""
+
+def test_quantizing_load_holds_one_float_tensor_at_a_time(tmp_path):
+  """Peak RSS of a --quantize q4_0 load of a ~580 MB float32 checkpoint: at most 1.3x the quantized model plus the largest
+  float tensor over the process's RSS before the load (never the whole model in float32, nor the file's pages). The
+  process has loaded a tiny model first, so the runtime's one-time setup (~40 MB) is not counted: at this size it would
+  be half the bound. Measured: 131 MB over for 80 MB quantized and a 34 MB largest tensor (bound 138 MB); 146 MB while
+  the rows replaced by gate|up stacking stayed in tinygrad's allocator cache."""
+  largest = _write_big_llama(tmp_path)
+  env = {**os.environ, "TG_DS4_STEP_CACHE": "0"}
+  out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path), str(HF / "llama")], capture_output=True, text=True, env=env, timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  base, peak, qbytes = map(int, out.stdout.split()[-3:])
+  file_bytes = (tmp_path / "model.safetensors").stat().st_size
+  print(f"\nfile {file_bytes / 1e6:.0f} MB, quantized {qbytes / 1e6:.0f} MB, largest tensor {largest / 1e6:.0f} MB: "
+        f"RSS {base / 1e6:.0f} -> {peak / 1e6:.0f} MB (+{(peak - base) / 1e6:.0f})")
+  assert peak - base <= 1.3 * qbytes + largest

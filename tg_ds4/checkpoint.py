@@ -1,0 +1,309 @@
+"""Hugging Face checkpoint folders (`config.json`, `model.safetensors` or shards with their index, `tokenizer.json`,
+`tokenizer_config.json`) opened as the GGUF model llama.cpp's converter would write from them.
+
+`Checkpoint` has GGUFFile's interface: `metadata` holds the GGUF keys convert_hf_to_gguf.py derives from config.json
+and the tokenizer files, and `infos` / `tensor(name)` the tensors under their GGUF names, mapped by one table per
+architecture. The model code, its config and the tokenizer therefore never know where the weights came from. Tensors
+are read from the mmapped safetensors without a copy on the CPU where the file's bytes are the GGUF tensor as they
+are; three cases need a copy made at load: llama's q/k rows reordered for its interleaved RoPE (the converter's
+permute), a mixture of experts' per-expert matrices stacked into one `[E, out, in]` tensor, and quantization.
+
+`quantize="q8_0"|"q4_0"` quantizes each matrix at load, one tensor at a time with gguf-py's reference quantizers (so
+the blocks are bit for bit what `gguf.quants.quantize` makes of the same floats): the float copy of one tensor is the
+most ever held beside the packed result. Not quantized, as llama.cpp's quantizer also leaves them: vectors (norms,
+biases), the MoE router `ffn_gate_inp` and the MLA `attn_kv_b`, which the model splits into float k_b / v_b."""
+from __future__ import annotations
+
+import hashlib, json, os, pathlib, re, struct, weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from tinygrad import Device, Tensor, UOp, dtypes
+
+from tg_ds4.gguf import GGUFError, GGUFFile, TensorInfo
+from tg_ds4.quant import QTYPE_BY_NAME, QTensor
+
+# config.json "architectures"[0] -> GGUF architecture
+ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "DeepseekV2ForCausalLM": "deepseek2", "DeepseekV3ForCausalLM": "deepseek2"}
+QUANTIZE = ("q8_0", "q4_0")
+QUANTIZE_ROWS_BYTES = 1 << 20  # float32 rows gguf-py quantizes at once (see Checkpoint._packed)
+
+# HF tensor name -> GGUF name, per GGUF architecture; `{i}` is the layer (the converter's tensor_mapping.py, for these archs)
+_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+_DENSE_BLOCK = {
+  "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+  "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+  "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
+  "self_attn.o_proj.weight": "attn_output.weight",
+  "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+}
+_MLA_BLOCK = {
+  "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+  "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_a_proj.weight": "attn_q_a.weight",
+  "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight", "self_attn.q_b_proj.weight": "attn_q_b.weight",
+  "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight", "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+  "self_attn.kv_b_proj.weight": "attn_kv_b.weight", "self_attn.o_proj.weight": "attn_output.weight",
+  "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+  "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+  "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight", "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+  "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+}
+BLOCK_TABLES = {"llama": _DENSE_BLOCK, "qwen2": _DENSE_BLOCK, "deepseek2": _MLA_BLOCK}
+# routed experts, stacked along a new first axis: HF `mlp.experts.{e}.<proj>` -> GGUF blk.{i}.<name>
+EXPERT_TABLE = {"gate_proj.weight": "ffn_gate_exps.weight", "up_proj.weight": "ffn_up_exps.weight", "down_proj.weight": "ffn_down_exps.weight"}
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(.+)$")
+_ST_DTYPES = {"F32": ("F32", np.float32), "F16": ("F16", np.float16), "BF16": ("BF16", np.uint16)}
+
+@dataclass(frozen=True)
+class Source:
+  """One tensor of a safetensors file."""
+  name: str
+  path: pathlib.Path
+  dtype: str           # F32, F16 or BF16
+  shape: tuple[int, ...]
+  offset: int          # absolute byte offset in `path`
+  nbytes: int
+
+def is_checkpoint(path: str | os.PathLike) -> bool: return pathlib.Path(path, "config.json").is_file()
+
+def read_safetensors_header(path: pathlib.Path) -> dict[str, Source]:
+  size = path.stat().st_size
+  with open(path, "rb") as f:
+    head = f.read(8)
+    if len(head) < 8: raise GGUFError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+    (n,) = struct.unpack("<Q", head)
+    if n > min(size - 8, 1 << 28): raise GGUFError(f"{path}: safetensors header length {n} runs past the end of the file ({size} bytes)")
+    try: header = json.loads(f.read(n))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e: raise GGUFError(f"{path}: safetensors header is not JSON ({e})") from None
+  out = {}
+  for name, h in header.items():
+    if name == "__metadata__": continue
+    if not isinstance(h, dict) or h.get("dtype") not in _ST_DTYPES:
+      raise GGUFError(f"{path}: tensor {name!r} has dtype {h.get('dtype') if isinstance(h, dict) else h!r}, expected one of {', '.join(_ST_DTYPES)}")
+    shape, (a, b) = tuple(int(d) for d in h["shape"]), h["data_offsets"]
+    want = int(np.prod(shape, dtype=np.int64)) * np.dtype(_ST_DTYPES[h["dtype"]][1]).itemsize
+    if b - a != want or a < 0 or 8 + n + b > size:
+      raise GGUFError(f"{path}: tensor {name!r} ({h['dtype']} {list(shape)}) has data offsets {[a, b]} that do not fit it or the file")
+    out[name] = Source(name, path, h["dtype"], shape, 8 + n + a, b - a)
+  return out
+
+def _permute_heads(w: np.ndarray, n_head: int) -> np.ndarray:
+  """The converter's LlamaModel.permute: each head's rows reordered from rotate-half pairs (i, i + d/2) to adjacent
+  pairs (2i, 2i + 1), the layout of llama.cpp's interleaved RoPE."""
+  return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+def _rope_metadata(arch: str, cfg: dict) -> dict[str, Any]:
+  rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+  kind = rp.get("rope_type") or rp.get("type") or "default"
+  out: dict[str, Any] = {f"{arch}.rope.freq_base": float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))}
+  if kind == "default": return out
+  if kind not in ("linear", "yarn"):
+    raise GGUFError(f"config.json: RoPE scaling {kind!r} is not supported for checkpoint folders (supported: none, linear, yarn)")
+  out.update({f"{arch}.rope.scaling.type": kind, f"{arch}.rope.scaling.factor": float(rp["factor"])})
+  if kind == "yarn":
+    out.update({f"{arch}.rope.scaling.original_context_length": int(rp["original_max_position_embeddings"]),
+                f"{arch}.rope.scaling.yarn_beta_fast": float(rp.get("beta_fast", 32.0)),
+                f"{arch}.rope.scaling.yarn_beta_slow": float(rp.get("beta_slow", 1.0))})
+    if arch == "deepseek2": out[f"{arch}.rope.scaling.yarn_log_multiplier"] = 0.1 * float(rp.get("mscale_all_dim", 0.0))
+  return out
+
+def model_metadata(arch: str, cfg: dict) -> dict[str, Any]:
+  """The GGUF model keys convert_hf_to_gguf.py writes for `cfg` (config.json)."""
+  a, g = arch, cfg.get
+  md: dict[str, Any] = {
+    "general.architecture": a, f"{a}.block_count": int(cfg["num_hidden_layers"]), f"{a}.context_length": int(g("max_position_embeddings", 4096)),
+    f"{a}.embedding_length": int(cfg["hidden_size"]), f"{a}.feed_forward_length": int(cfg["intermediate_size"]),
+    f"{a}.attention.head_count": int(cfg["num_attention_heads"]),
+    f"{a}.attention.head_count_kv": int(g("num_key_value_heads") or cfg["num_attention_heads"]),
+    f"{a}.attention.layer_norm_rms_epsilon": float(g("rms_norm_eps", 1e-6)), f"{a}.vocab_size": int(cfg["vocab_size"]), **_rope_metadata(a, cfg)}
+  if a != "deepseek2":
+    head_dim = g("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    md[f"{a}.rope.dimension_count"] = int(head_dim)
+    if head_dim != cfg["hidden_size"] // cfg["num_attention_heads"]:
+      md.update({f"{a}.attention.key_length": head_dim, f"{a}.attention.value_length": head_dim})
+    return md
+  nope, rope, kv_lora = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"]), int(cfg["kv_lora_rank"])
+  scoring = g("scoring_func") or ("sigmoid" if cfg.get("model_type") == "deepseek_v3" else "softmax")
+  if scoring not in ("softmax", "sigmoid"): raise GGUFError(f"config.json: scoring_func {scoring!r} is not supported (softmax, sigmoid)")
+  md.update({f"{a}.attention.head_count_kv": 1, f"{a}.attention.key_length": kv_lora + rope, f"{a}.attention.value_length": kv_lora,
+             f"{a}.attention.key_length_mla": nope + rope, f"{a}.attention.value_length_mla": int(cfg["v_head_dim"]),
+             f"{a}.attention.q_lora_rank": int(g("q_lora_rank") or 0), f"{a}.attention.kv_lora_rank": kv_lora, f"{a}.rope.dimension_count": rope,
+             f"{a}.expert_count": int(g("n_routed_experts") or 0), f"{a}.expert_used_count": int(g("num_experts_per_tok") or 0),
+             f"{a}.expert_shared_count": int(g("n_shared_experts") or 0), f"{a}.expert_feed_forward_length": int(g("moe_intermediate_size") or 0),
+             f"{a}.leading_dense_block_count": int(g("first_k_dense_replace") or 0),
+             f"{a}.expert_weights_scale": float(g("routed_scaling_factor") or 1.0),
+             f"{a}.expert_weights_norm": bool(g("norm_topk_prob", False)), f"{a}.expert_gating_func": 2 if scoring == "sigmoid" else 1,
+             f"{a}.expert_group_count": int(g("n_group") or 1), f"{a}.expert_group_used_count": int(g("topk_group") or 1)})
+  return md
+
+class Checkpoint:
+  """A Hugging Face checkpoint folder with GGUFFile's interface (see the module docstring)."""
+
+  def __init__(self, path: str | os.PathLike, quantize: str | None = None):
+    self.path = pathlib.Path(path)
+    if quantize is not None and quantize not in QUANTIZE:
+      raise GGUFError(f"--quantize {quantize!r} is not supported (supported: {', '.join(QUANTIZE)})")
+    self.quantize = quantize
+    cfg = self.config = self._json("config.json")
+    arch_name = (cfg.get("architectures") or ["?"])[0]
+    if (arch := ARCHS.get(arch_name)) is None:
+      raise GGUFError(f"{self.path / 'config.json'}: architecture {arch_name!r} is not supported for checkpoint folders "
+                      f"(supported: {', '.join(ARCHS)})")
+    self.metadata: dict[str, Any] = {"general.name": self.path.name, **model_metadata(arch, cfg)}
+    from tg_ds4.hf_tokenizer import tokenizer_metadata
+    self.metadata.update(tokenizer_metadata(self.path, cfg))
+    self.paths = self._shards()
+    sources: dict[str, Source] = {}
+    for p in self.paths:
+      for name, s in read_safetensors_header(p).items():
+        if name in sources: raise GGUFError(f"{p}: tensor {name!r} also appears in {sources[name].path.name}")
+        sources[name] = s
+    self._plan(arch, sources)
+    self._maps: dict[pathlib.Path, np.memmap] = {}
+
+  def _json(self, name: str) -> dict:
+    p = self.path / name
+    try: return json.loads(p.read_text())
+    except FileNotFoundError: raise GGUFError(f"{self.path}: no {name}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e: raise GGUFError(f"{p}: not valid JSON ({e})") from None
+
+  def _shards(self) -> list[pathlib.Path]:
+    if (self.path / "model.safetensors").is_file(): return [self.path / "model.safetensors"]
+    if not (self.path / "model.safetensors.index.json").is_file():
+      raise GGUFError(f"{self.path}: no model.safetensors or model.safetensors.index.json (other weight formats are not read)")
+    files = sorted(set(self._json("model.safetensors.index.json").get("weight_map", {}).values()))
+    if not files: raise GGUFError(f"{self.path / 'model.safetensors.index.json'}: empty weight_map")
+    for f in files:
+      if not (self.path / f).is_file(): raise GGUFError(f"{self.path / 'model.safetensors.index.json'}: shard {f!r} is missing")
+    return [self.path / f for f in files]
+
+  def _plan(self, arch: str, sources: dict[str, Source]) -> None:
+    """GGUF name -> the sources it is made of and how (`self.parts`), and its TensorInfo as the model sees it."""
+    n_layer, table = int(self.config["num_hidden_layers"]), BLOCK_TABLES[arch]
+    self.parts: dict[str, tuple[str, list[Source]]] = {}
+    experts: dict[str, dict[int, Source]] = {}
+    for name, s in sources.items():
+      if (gname := _GLOBAL.get(name)) is not None: self.parts[gname] = ("plain", [s]); continue
+      m = _LAYER_RE.match(name)
+      if m is None: raise GGUFError(f"{s.path}: tensor {name!r} has no GGUF name for {arch}")
+      i, rest = int(m.group(1)), m.group(2)
+      if i >= n_layer: continue  # DeepSeek V3's multi-token-prediction layers (the converter drops them too)
+      if (e := _EXPERT_RE.match(rest)) is not None and e.group(2) in EXPERT_TABLE:
+        experts.setdefault(f"blk.{i}.{EXPERT_TABLE[e.group(2)]}", {})[int(e.group(1))] = s
+        continue
+      if rest not in table: raise GGUFError(f"{s.path}: tensor {name!r} has no GGUF name for {arch}")
+      how = "permute_q" if arch == "llama" and rest == "self_attn.q_proj.weight" else \
+            "permute_k" if arch == "llama" and rest == "self_attn.k_proj.weight" else "plain"
+      self.parts[f"blk.{i}.{table[rest]}"] = (how, [s])
+    n_exp = int(self.config.get("n_routed_experts") or 0)
+    for gname, by_e in experts.items():
+      if sorted(by_e) != list(range(n_exp)): raise GGUFError(f"{self.path}: {gname} needs experts 0..{n_exp - 1}, the files have {sorted(by_e)}")
+      if len({(s.shape, s.dtype) for s in by_e.values()}) != 1: raise GGUFError(f"{self.path}: the experts of {gname} differ in shape or dtype")
+      self.parts[gname] = ("stack", [by_e[e] for e in range(n_exp)])
+    self.infos: dict[str, TensorInfo] = {}
+    for gname, (how, srcs) in self.parts.items():
+      shape = (len(srcs), *srcs[0].shape) if how == "stack" else srcs[0].shape
+      qt = QTYPE_BY_NAME[self._qtype(gname, shape, srcs[0].dtype)]
+      nbytes = int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // qt.block) * qt.nbytes
+      self.infos[gname] = TensorInfo(gname, qt, shape, srcs[0].path, srcs[0].offset, nbytes)
+
+  def _qtype(self, gname: str, shape: tuple[int, ...], dtype: str) -> str:
+    q = self.quantize.upper() if self.quantize else None
+    if q is None or len(shape) < 2 or shape[-1] % QTYPE_BY_NAME[q].block or gname.endswith(("ffn_gate_inp.weight", "attn_kv_b.weight")): return dtype
+    return q
+
+  @property
+  def arch(self) -> str: return self.metadata["general.architecture"]
+  @property
+  def file_size(self) -> int: return sum(p.stat().st_size for p in self.paths)
+  @property
+  def n_params(self) -> int: return sum(i.n_elements for i in self.infos.values())
+  def __contains__(self, name: str) -> bool: return name in self.infos
+  def __repr__(self): return f"Checkpoint({str(self.path)!r}, arch={self.arch!r}, tensors={len(self.infos)}, quantize={self.quantize!r})"
+  def get(self, key: str, default: Any = None) -> Any: return self.metadata.get(key.replace("{arch}", self.arch), default)
+
+  def identity(self) -> str:
+    """What the step cache keys a loaded model by: the config and tokenizer files, every shard's size and header, and
+    the quantization asked for."""
+    h = hashlib.sha256(f"quantize={self.quantize}".encode())
+    for p in sorted(self.path.iterdir()):
+      if p.suffix == ".json" or p.name.endswith(".jinja"): h.update(p.name.encode() + p.read_bytes())
+    for p in self.paths:
+      h.update(f"{p.name}:{p.stat().st_size}".encode())
+      with open(p, "rb") as f: h.update(f.read(8 + struct.unpack("<Q", f.read(8))[0] - 8))
+    return h.hexdigest()
+
+  def _mmap(self, path: pathlib.Path) -> np.memmap:
+    if path not in self._maps: self._maps[path] = np.memmap(path, mode="r")
+    return self._maps[path]
+
+  @staticmethod
+  def _read(s: Source) -> np.ndarray:
+    """A source tensor read into memory of its own: through the mapping, its pages would stay resident as part of the
+    process (a quantizing load would end up holding the whole float file)."""
+    return np.fromfile(s.path, _ST_DTYPES[s.dtype][1], s.nbytes // np.dtype(_ST_DTYPES[s.dtype][1]).itemsize, offset=s.offset).reshape(s.shape)
+
+  def host_array(self, name: str) -> np.ndarray:
+    """The tensor `name` as the GGUF converter would store it unquantized: the file's dtype (BF16 as uint16 bits),
+    reordered or stacked as its name needs."""
+    how, srcs = self.parts[name]
+    if how == "stack": return np.stack([self._read(s) for s in srcs])
+    a = self._read(srcs[0])
+    if how == "plain": return a
+    heads = self.config["num_attention_heads"] if how == "permute_q" else self.config.get("num_key_value_heads") or self.config["num_attention_heads"]
+    return _permute_heads(a, int(heads))
+
+  def tensor(self, name: str, device: str | None = None) -> QTensor:
+    from tg_ds4.layers import device_buffer, host_tensor
+    if (info := self.infos.get(name)) is None: raise GGUFError(f"{self.path}: no tensor named {name!r}")
+    device = Device.canonicalize(device or Device.DEFAULT)
+    how, srcs = self.parts[name]
+    if device.startswith("NULL"): raw = Tensor.empty(info.nbytes, dtype=dtypes.uint8, device=device)
+    elif how == "plain" and info.qtype.name == srcs[0].dtype and device.startswith("CPU") and \
+        (info.qtype.name != "F32" or (self._mmap(srcs[0].path).ctypes.data + srcs[0].offset) % 32 == 0):
+      mm = self._mmap(srcs[0].path)  # the file's own bytes, as GGUFFile maps them (F32 only where 32-byte aligned: kernel_opts)
+      raw = Tensor.from_blob(mm.ctypes.data + srcs[0].offset, (info.nbytes,), dtype=dtypes.uint8, device=device)
+      weakref.finalize(raw.uop.buffer, lambda m: None, mm)
+    else:
+      data = self._packed(name, info)
+      if device.startswith("CPU"): raw = host_tensor(data, device)
+      else:
+        def fill(piece: memoryview, off: int) -> None: piece[:] = data[off:off + len(piece)]
+        raw = Tensor(UOp.from_buffer(device_buffer(device, data.size, dtypes.uint8, fill)))
+    return QTensor(raw.reshape(info.block_shape), info.qtype, info.shape)
+
+  def _packed(self, name: str, info: TensorInfo) -> np.ndarray:
+    """The bytes of `name` in its GGUF type: the file's floats as they are, or quantized by gguf-py from float32 a few
+    rows at a time (its quantizers hold several float temporaries of their input: whole, a big head would cost ~3x
+    its float size) and for stacked experts one expert at a time. Blocks never span rows, so this is bit for bit
+    the quantization of the whole tensor."""
+    how, srcs = self.parts[name]
+    if info.qtype.name == srcs[0].dtype: return np.ascontiguousarray(self.host_array(name)).view(np.uint8).reshape(-1)
+    import gguf
+    from gguf.quants import quantize
+    qt, row_bytes = gguf.GGMLQuantizationType[info.qtype.name], info.shape[-1] // info.qtype.block * info.qtype.nbytes
+    out = np.empty((int(np.prod(info.shape[:-1], dtype=np.int64)), row_bytes), np.uint8)
+    pieces = [(s, None) for s in srcs] if how == "stack" else [(srcs[0], name)]
+    row = 0
+    for s, whole in pieces:
+      a = self.host_array(whole) if whole is not None else self._read(s)
+      a = a.reshape(-1, a.shape[-1])
+      step = max(1, QUANTIZE_ROWS_BYTES // (4 * a.shape[-1]))
+      for i in range(0, a.shape[0], step):
+        f = (a[i:i + step].astype(np.uint32) << 16).view(np.float32) if s.dtype == "BF16" else a[i:i + step].astype(np.float32)
+        out[row + i:row + i + len(f)] = quantize(f, qt)
+      row += a.shape[0]
+    return out.reshape(-1)
+
+  def tensors(self, device: str | None = None) -> dict[str, QTensor]: return {name: self.tensor(name, device) for name in self.infos}
+
+def open_model(path: str | os.PathLike, quantize: str | None = None):
+  """A GGUF file or a checkpoint folder, by what `path` is. `quantize` applies to checkpoint folders only."""
+  if is_checkpoint(path): return Checkpoint(path, quantize)
+  if pathlib.Path(path).is_dir():
+    raise GGUFError(f"{path}: is a directory without config.json, expected a .gguf file or a Hugging Face checkpoint folder")
+  if quantize is not None: raise GGUFError(f"{path}: --quantize applies to checkpoint folders; a GGUF file is used as it is")
+  return GGUFFile(path)
