@@ -92,6 +92,16 @@ def tokens(n: int) -> int | None: return n if GPU == "PYTHON" else None  # a rea
 
 def start_job(job: str) -> None: JOBS.start(job, lambda jobs: _decode(job, jobs))
 
+_ROWS: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # job -> (our logits rows, the reference's), kept by job_result
+
+def unexplained_flips(job: str) -> list[int]:
+  """Positions whose greedy pick differs from the reference's although the reference's top-2 margin there is more than
+  twice our largest deviation from it: no deviation that small can reorder the top two, so such a flip is a bug."""
+  ours, ref = _ROWS[job]
+  top2 = np.sort(ref, -1)[:, -2:]
+  margin, dev = top2[:, 1] - top2[:, 0], np.abs(ours - ref).max(-1)
+  return [i for i in range(len(ref)) if ours[i].argmax() != ref[i].argmax() and margin[i] > 2 * dev[i]]
+
 def job_result(job: str) -> tuple[list[float], bool]:
   """max|d| / max|logit| per token against the job's reference, and whether every greedy pick agrees."""
   start_job(job)  # (when the test runs without the conftest hook)
@@ -101,6 +111,7 @@ def job_result(job: str) -> tuple[list[float], bool]:
   fam, _, ref_name, n, _ = BACKGROUND[job]
   ours, ref = np.load(out / "rows.npy"), np.load(fam / ref_name)[:tokens(n)]
   assert ours.dtype == np.float32 and ours.shape == ref.shape
+  _ROWS[job] = ours, ref
   return [float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(ours, ref)], bool((ours.argmax(-1) == ref.argmax(-1)).all())
 
 @pytest.mark.background("ds3-f32")
@@ -135,12 +146,17 @@ def test_deepseek4_fixture_decodes_on_the_emulated_gpu_in_half():
   """deepseek4 in a GPU's default precision (half matmul inputs, weights, raw ring and compressed rows; float32
   hyper-connections, router, indexer): the same bound and the same check that half applied as for ds3. Measured
   3.4e-4, 4.4e-4 (float32: 6.4e-7, 5.6e-7)."""
-  rel, same = job_result("ds4-half")
+  rel, _ = job_result("ds4-half")
   flips = [i for i, r in enumerate(rel) if r > 5e-3]
-  print(f"\ndeepseek4 MXFP4 on {GPU}, half, vs transformers: {show(rel)}; above 5e-3 at {flips}")
+  ours, ref = _ROWS["ds4-half"]
+  picks = [i for i in range(len(ref)) if ours[i].argmax() != ref[i].argmax()]
+  print(f"\ndeepseek4 MXFP4 on {GPU}, half, vs transformers: {show(rel)}; above 5e-3 at {flips}; greedy picks differ at {picks}")
   # Past position 34 the indexer keeps 8 of more than 8 compressed rows, and half rounding upstream of its (float32)
   # scores can flip a near-tie: on the CPU with TG_DS4_PRECISION=f16, prefill's one token above 1.7e-3 (267: 1.9e-2) is
   # the one whose top-8 differs from float32's; decode over the prompt: 11 tokens from 148 on above 5e-3 (max 8.3e-2,
-  # greedy picks all equal), on an H200 max 4.0e-2. Before that a token's attention is the same rows in any precision.
-  assert max(rel[:INDEXER_CHOOSES]) <= 5e-3 and same, rel
+  # greedy picks all equal), on an H200 max 4.0e-2 with a greedy pick that differed (session 31). Before that a token's
+  # attention is the same rows in any precision: there the bound and every pick hold; past it a pick may differ only
+  # where transformers' own top-2 margin is within twice our deviation.
+  assert max(rel[:INDEXER_CHOOSES]) <= 5e-3 and not [i for i in picks if i < INDEXER_CHOOSES], (rel, picks)
+  assert not unexplained_flips("ds4-half"), unexplained_flips("ds4-half")
   assert max(rel) >= 1e-5, "no half-precision rounding visible: the GPU default did not apply"
