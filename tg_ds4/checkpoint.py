@@ -9,8 +9,8 @@ are; three cases need a copy made at load: llama's q/k rows reordered for its in
 permute), a mixture of experts' per-expert matrices stacked into one `[E, out, in]` tensor, and quantization.
 
 `quantize="q8_0"|"q4_0"` quantizes each matrix at load, one tensor at a time with gguf-py's reference quantizers (so
-the blocks are bit for bit what `gguf.quants.quantize` makes of the same floats): the float copy of one tensor is the
-most ever held beside the packed result. Not quantized, as llama.cpp's quantizer also leaves them: vectors (norms,
+the blocks are bit for bit what `gguf.quants.quantize` makes of the same floats), a few rows at a time: one source
+tensor read into memory is the most ever held beside the packed result. Not quantized, as llama.cpp's quantizer also leaves them: vectors (norms,
 biases), the MoE router `ffn_gate_inp` and the MLA `attn_kv_b`, which the model splits into float k_b / v_b."""
 from __future__ import annotations
 
@@ -233,7 +233,7 @@ class Checkpoint:
       if p.suffix == ".json" or p.name.endswith(".jinja"): h.update(p.name.encode() + p.read_bytes())
     for p in self.paths:
       h.update(f"{p.name}:{p.stat().st_size}".encode())
-      with open(p, "rb") as f: h.update(f.read(8 + struct.unpack("<Q", f.read(8))[0] - 8))
+      with open(p, "rb") as f: h.update(f.read(struct.unpack("<Q", f.read(8))[0]))  # the JSON header
     return h.hexdigest()
 
   def _mmap(self, path: pathlib.Path) -> np.memmap:
