@@ -128,3 +128,29 @@ def test_quantizing_load_holds_one_float_tensor_at_a_time(tmp_path):
   print(f"\nfile {file_bytes / 1e6:.0f} MB, quantized {qbytes / 1e6:.0f} MB, largest tensor {largest / 1e6:.0f} MB: "
         f"RSS {base / 1e6:.0f} -> {peak / 1e6:.0f} MB (+{(peak - base) / 1e6:.0f})")
   assert peak - base <= 1.3 * qbytes + largest
+
+def test_sharded_folder_loads_the_same_model(tmp_path):
+  """model.safetensors split into two shards with model.safetensors.index.json (as save_pretrained writes big models):
+  the same tensors, so the same logits bit for bit."""
+  src = Checkpoint(HF / "llama")
+  with open(HF / "llama" / "model.safetensors", "rb") as f:
+    n = struct.unpack("<Q", f.read(8))[0]
+    header, data = json.loads(f.read(n)), f.read()
+  names = sorted(k for k in header if k != "__metadata__")
+  weight_map = {}
+  for part, chunk in enumerate((names[:len(names) // 2], names[len(names) // 2:])):
+    fname, hdr, blobs, off = f"model-0000{part + 1}-of-00002.safetensors", {}, [], 0
+    for k in chunk:
+      a, b = header[k]["data_offsets"]
+      hdr[k] = {**header[k], "data_offsets": [off, off + b - a]}; blobs.append(data[a:b]); off += b - a
+      weight_map[k] = fname
+    hj = json.dumps(hdr).encode()
+    (tmp_path / fname).write_bytes(struct.pack("<Q", len(hj)) + hj + b"".join(blobs))
+  (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+  for f in ("config.json", "tokenizer.json", "tokenizer_config.json"): (tmp_path / f).write_bytes((HF / "llama" / f).read_bytes())
+  sharded = Checkpoint(tmp_path)
+  assert len(sharded.paths) == 2 and sharded.infos.keys() == src.infos.keys()
+  ids = ref("llama")["token_ids"]
+  a = Runner.load(src, max_ctx=64).prefill(ids, chunk=len(ids)).numpy()
+  b = Runner.load(sharded, max_ctx=64).prefill(ids, chunk=len(ids)).numpy()
+  np.testing.assert_array_equal(a, b)

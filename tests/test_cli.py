@@ -1,5 +1,5 @@
 """Command-line contract: bad input is one line on stderr and exit status 2; generate streams only generated text."""
-import pathlib, subprocess, sys
+import itertools, pathlib, subprocess, sys
 
 import pytest
 
@@ -25,6 +25,7 @@ def tg(*args, timeout=600):
   (["generate", "-m", DS3, "-p", "hi", "--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
   (["generate", "-m", str(FIX), "-p", "hi"], "is a directory without config.json, expected a .gguf file or a Hugging Face checkpoint folder"),
   (["serve", "-m", DS4, "--kv-cache-dir", "unused-kv-dir", "--port", "1"], "is a deepseek4 model, whose caches"),
+  (["generate", "-m", DS3, "-p", "hi", "--quantize", "q4_0"], "--quantize applies to checkpoint folders; a GGUF file is used as it is"),
   (["generate", "-m", str(FIX / "gpt2/gpt2-Q8_0.gguf"), "-p", "hi", "--max-context", "300"],
    "learned positions (position_embd) for 128 tokens, a context of 300 was asked for"),
 ])
@@ -44,3 +45,17 @@ def test_default_context_is_the_models_when_smaller_and_a_larger_one_warns():
   assert quiet.returncode == 0 and loud.returncode == 0, (quiet.stderr, loud.stderr)
   assert "trained for" not in quiet.stderr
   assert loud.stderr.count("ds3-Q4_0.gguf: a context of 100 positions exceeds the 64 the model was trained for") == 1
+
+def test_generate_from_a_checkpoint_folder_quantized_at_load():
+  """`-m FOLDER --quantize q8_0`: the text is the greedy continuation the same quantized model gives in-process."""
+  from tg_ds4.checkpoint import Checkpoint
+  from tg_ds4.runner import GREEDY, Runner
+  from tg_ds4.tokenizer import Tokenizer
+  folder = FIX / "hf" / "ds3"
+  r = tg("generate", "-m", str(folder), "--quantize", "q8_0", "-p", "the model reads packed weights", "-n", "6")
+  assert r.returncode == 0, r.stderr
+  ck = Checkpoint(folder, "q8_0")
+  tok = Tokenizer.from_gguf(ck)
+  ids = tok.encode("the model reads packed weights")
+  want = list(itertools.takewhile(lambda t: t not in tok.stop_ids, Runner.load(ck, max_ctx=64).generate(ids, 6, GREEDY)))
+  assert r.stdout == tok.decode(want)
