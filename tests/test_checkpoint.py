@@ -16,7 +16,7 @@ from tg_ds4.tokenizer import Tokenizer
 
 FIX = pathlib.Path(__file__).parent / "fixtures"
 HF = FIX / "hf"
-NAMES = ["llama", "qwen2", "ds3"]
+NAMES = ["llama", "llama3", "qwen2", "ds3"]
 
 def ref(name: str) -> dict: return json.loads((HF / name / "reference.json").read_text())
 

@@ -95,13 +95,35 @@ def _permute_heads(w: np.ndarray, n_head: int) -> np.ndarray:
   pairs (2i, 2i + 1), the layout of llama.cpp's interleaved RoPE."""
   return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
-def _rope_metadata(arch: str, cfg: dict) -> dict[str, Any]:
+def _rope_parameters(cfg: dict) -> tuple[str, dict]:
   rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-  kind = rp.get("rope_type") or rp.get("type") or "default"
+  return rp.get("rope_type") or rp.get("type") or "default", rp
+
+def llama3_rope_freqs(cfg: dict) -> np.ndarray:
+  """The `rope_freqs.weight` the converter writes for llama 3.1+'s "llama3" RoPE scaling: per rotated pair, 1 for
+  short wavelengths, `factor` for long ones, a smooth blend between (its LlamaModel.generate_extra_tensors)."""
+  _, rp = _rope_parameters(cfg)
+  base = float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+  dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+  freqs = 1.0 / (np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+  factor, lo, hi = float(rp.get("factor", 8.0)), float(rp.get("low_freq_factor", 1.0)), float(rp.get("high_freq_factor", 4.0))
+  old = float(rp.get("original_max_position_embeddings", 8192))
+  out = []
+  for f in freqs.astype(np.float64):
+    wavelen = 2 * np.pi / f
+    if wavelen < old / hi: out.append(1.0)
+    elif wavelen > old / lo: out.append(factor)
+    else:
+      smooth = (old / wavelen - lo) / (hi - lo)
+      out.append(1 / ((1 - smooth) / factor + smooth))
+  return np.array(out, np.float32)
+
+def _rope_metadata(arch: str, cfg: dict) -> dict[str, Any]:
+  kind, rp = _rope_parameters(cfg)
   out: dict[str, Any] = {f"{arch}.rope.freq_base": float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))}
-  if kind == "default": return out
+  if kind == "default" or (kind == "llama3" and arch == "llama"): return out  # llama3: a rope_freqs.weight tensor instead
   if kind not in ("linear", "yarn"):
-    raise GGUFError(f"config.json: RoPE scaling {kind!r} is not supported for checkpoint folders (supported: none, linear, yarn)")
+    raise GGUFError(f"config.json: RoPE scaling {kind!r} is not supported for checkpoint folders (supported: none, linear, yarn, llama3)")
   out.update({f"{arch}.rope.scaling.type": kind, f"{arch}.rope.scaling.factor": float(rp["factor"])})
   if kind == "yarn":
     out.update({f"{arch}.rope.scaling.original_context_length": int(rp["original_max_position_embeddings"]),
@@ -203,8 +225,14 @@ class Checkpoint:
       if sorted(by_e) != list(range(n_exp)): raise GGUFError(f"{self.path}: {gname} needs experts 0..{n_exp - 1}, the files have {sorted(by_e)}")
       if len({(s.shape, s.dtype) for s in by_e.values()}) != 1: raise GGUFError(f"{self.path}: the experts of {gname} differ in shape or dtype")
       self.parts[gname] = ("stack", [by_e[e] for e in range(n_exp)])
+    self.generated: dict[str, np.ndarray] = {}
+    if arch == "llama" and _rope_parameters(self.config)[0] == "llama3": self.generated["rope_freqs.weight"] = llama3_rope_freqs(self.config)
     self.infos: dict[str, TensorInfo] = {}
+    for gname, a in self.generated.items():
+      self.parts[gname] = ("generated", [])
+      self.infos[gname] = TensorInfo(gname, QTYPE_BY_NAME["F32"], a.shape, self.path / "config.json", 0, a.nbytes)
     for gname, (how, srcs) in self.parts.items():
+      if how == "generated": continue
       shape = (len(srcs), *srcs[0].shape) if how == "stack" else srcs[0].shape
       qt = QTYPE_BY_NAME[self._qtype(gname, shape, srcs[0].dtype)]
       nbytes = int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // qt.block) * qt.nbytes
@@ -250,6 +278,7 @@ class Checkpoint:
     """The tensor `name` as the GGUF converter would store it unquantized: the file's dtype (BF16 as uint16 bits),
     reordered or stacked as its name needs."""
     how, srcs = self.parts[name]
+    if how == "generated": return self.generated[name]
     if how == "stack": return np.stack([self._read(s) for s in srcs])
     a = self._read(srcs[0])
     if how == "plain": return a
@@ -262,6 +291,7 @@ class Checkpoint:
     device = Device.canonicalize(device or Device.DEFAULT)
     how, srcs = self.parts[name]
     if device.startswith("NULL"): raw = Tensor.empty(info.nbytes, dtype=dtypes.uint8, device=device)
+    elif how == "generated": raw = host_tensor(self.generated[name].view(np.uint8).reshape(-1), "CPU").to(device).realize()
     elif how == "plain" and info.qtype.name == srcs[0].dtype and device.startswith("CPU") and \
         (info.qtype.name != "F32" or (self._mmap(srcs[0].path).ctypes.data + srcs[0].offset) % 32 == 0):
       mm = self._mmap(srcs[0].path)  # the file's own bytes, as GGUFFile maps them (F32 only where 32-byte aligned: kernel_opts)
@@ -281,7 +311,7 @@ class Checkpoint:
     its float size) and for stacked experts one expert at a time. Blocks never span rows, so this is bit for bit
     the quantization of the whole tensor."""
     how, srcs = self.parts[name]
-    if info.qtype.name == srcs[0].dtype: return np.ascontiguousarray(self.host_array(name)).view(np.uint8).reshape(-1)
+    if how == "generated" or info.qtype.name == srcs[0].dtype: return np.ascontiguousarray(self.host_array(name)).view(np.uint8).reshape(-1)
     import gguf
     from gguf.quants import quantize
     qt, row_bytes = gguf.GGMLQuantizationType[info.qtype.name], info.shape[-1] // info.qtype.block * info.qtype.nbytes

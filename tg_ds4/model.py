@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from tinygrad import Tensor, UOp, dtypes
 
 from tg_ds4 import actquant, backend, compat, precision
@@ -81,7 +83,7 @@ class Transformer:
       compat.release_freed_buffers(device)  # the rows it replaced, if they were in memory (a quantized checkpoint)
     model.max_ctx, model.llama_cpp_activations, model.precision = max_ctx, llama_cpp_activations, precision.for_device(device)
     rows = max_ctx + cls.PREFILL_CHUNK  # slack for the padded tail of the last prefill chunk
-    model.rope = rope_table(cfg.rope, rows, device) if cfg.rope.dim else None
+    model.rope = rope_table(cfg.rope, rows, device, _rope_freqs(gf, cfg.rope.dim)) if cfg.rope.dim else None
     if cfg.pos_embd:  # float rows, with zero rows for a padded chunk's tail past the last position
       w = model.position_embd.weight
       w = w.dequant(dtypes.float32) if isinstance(w, QTensor) else w.float()
@@ -113,6 +115,13 @@ class Transformer:
     """Every KV-cache tensor as (name, tensor, row axis): rows [0:n] along that axis are the state after n tokens, so a
     prefix can be saved and restored without knowing the attention class."""
     return [(f"blk.{i}.attn.cache", b.attn.cache, 1) for i, b in enumerate(self.blk)]
+
+def _rope_freqs(gf: GGUFFile, dim: int) -> np.ndarray | None:
+  """The file's `rope_freqs.weight` (llama 3.1+: one divisor per rotated pair), or None."""
+  if "rope_freqs.weight" not in gf: return None
+  if (got := gf.infos["rope_freqs.weight"].shape) != (dim // 2,):
+    raise GGUFError(f"{gf.path}: tensor 'rope_freqs.weight' has shape {list(got)}, expected {[dim // 2]}")
+  return gf.tensor("rope_freqs.weight", "CPU").dequant(dtypes.float32).numpy()
 
 def _split_kv_b(attn: MLA, gf: GGUFFile, i: int, device: str) -> None:
   """Old GGUFs store `attn_kv_b` [H*(nope+v), kv_lora]; split it into the absorbed k_b [H, kv_lora, nope] and

@@ -9,11 +9,14 @@ from tinygrad import Tensor, UOp
 from tg_ds4.config import RopeConfig, RopeType
 
 
-def rope_table(rc: RopeConfig, max_ctx: int, device: str | None = None) -> Tensor:
-  """cos/sin for every position: float32 `[max_ctx, dim/2, 2]`, computed once on the host like ggml's rope cache."""
+def rope_table(rc: RopeConfig, max_ctx: int, device: str | None = None, freq_factors: np.ndarray | None = None) -> Tensor:
+  """cos/sin for every position: float32 `[max_ctx, dim/2, 2]`, computed once on the host like ggml's rope cache.
+  `freq_factors` (`dim/2`, a GGUF's `rope_freqs.weight`: llama 3.1+'s frequency-dependent scaling) divide each pair's
+  angle, as ggml's rope does before any linear or YaRN scaling."""
   n_dims, half = rc.dim, rc.dim // 2
   i0 = np.arange(0, n_dims, 2, dtype=np.float64)
   theta_extrap = np.arange(max_ctx, dtype=np.float64)[:, None] * rc.base ** (-i0 / n_dims)
+  if freq_factors is not None: theta_extrap = theta_extrap / np.asarray(freq_factors, np.float64)[None, :]
   theta, mag = rc.freq_scale * theta_extrap, rc.attn_factor
   if rc.yarn:
     # dims below `low` keep extrapolated (original) frequencies, above `high` interpolated ones, linear ramp between
