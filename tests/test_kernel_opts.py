@@ -90,9 +90,13 @@ def test_transposing_unpack_reads_each_block_once():
   assert ours.applied_opts[0].op is OptOps.UPCAST and ours.applied_opts[0].arg == kernel_opts.UNPACK_ROWS, ours.applied_opts
   assert ours.applied_opts[1].op is OptOps.UPCAST and ours.applied_opts[1].arg == 0  # the whole byte run of a block
 
-def test_panel_gemm_reads_each_panel_contiguously_and_splits_panels_over_cores():
+UNITS = {"avx2": kernel_opts.AVX2, "avx512": kernel_opts.AVX512, "neon": kernel_opts.NEON, "sse": kernel_opts.SSE}
+
+@pytest.mark.parametrize("unit", sorted(UNITS))
+def test_panel_gemm_reads_each_panel_contiguously_and_splits_panels_over_cores(unit, monkeypatch):
   """layers.matmul's CPU prefill form: the weight unpacked once as panels `[out/n, in, n]`, each a contiguous run; the GEMM
-  holds n outputs x a few tokens per iteration, the panels split over the cores."""
+  holds n outputs x a few tokens per iteration, the panels split over the cores. For every vector unit the rules know."""
+  monkeypatch.setattr(kernel_opts, "CPU", UNITS[unit])
   tokens, n = kernel_opts.CPU.gemm
   unpack, gemm = schedulers(panel_gemm(Tensor.ones(1, 32, 1024).contiguous().realize(), packed("Q4_0", 4096, 1024).dequant(dtypes.float32), n))
   u = kernel_opts.cpu_heuristic(unpack.copy())
@@ -103,12 +107,14 @@ def test_panel_gemm_reads_each_panel_contiguously_and_splits_panels_over_cores()
   assert g.applied_opts[:2] == [Opt(OptOps.UPCAST, 1, tokens), Opt(OptOps.UPCAST, 2, n)], g.applied_opts
   assert [o.axis for o in g.applied_opts if o.op is OptOps.THREAD] == ([0] if Device[Device.DEFAULT].renderer.global_max[0] > 1 else [])
 
-def test_panel_gemm_values():
+@pytest.mark.parametrize("unit,rows", [("avx2", 16), ("avx512", 24), ("neon", 32), ("sse", 8)])  # (rows: a kernel per unit)
+def test_panel_gemm_values(unit, rows, monkeypatch):
+  monkeypatch.setattr(kernel_opts, "CPU", UNITS[unit])
   rng, qt, n = np.random.default_rng(1), QTYPE_BY_NAME["Q4_0"], kernel_opts.CPU.gemm[1]
   blocks = rng.integers(0, 256, (256, 512 // 32, qt.nbytes), dtype=np.uint8)
   blocks[..., :2] = (rng.standard_normal((256, 16, 1)) * 0.01).astype(np.float16).view(np.uint8)
   w = QTensor(Tensor(blocks).realize(), qt, (256, 512)).dequant(dtypes.float32)
-  x = rng.standard_normal((2, 16, 512)).astype(np.float32)
+  x = rng.standard_normal((1, rows, 512)).astype(np.float32)
   ref = x.astype(np.float64) @ w.numpy().astype(np.float64).T
   np.testing.assert_allclose(panel_gemm(Tensor(x), w, n).numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
