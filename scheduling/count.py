@@ -34,7 +34,8 @@ def block_kind(model: Model, i: int) -> str:
   if isinstance(model, DS4Transformer):  # attention by compression ratio (window / ratio 4 + indexer / ratio 128), routing by hash or top-k
     return f"DS4 {dict([(0, 'SWA'), (4, 'CSA'), (128, 'HCA')])[cfg.compress_ratios[i]]} {'hash-MoE' if i < cfg.n_hash_layer else 'MoE'}"
   return f"{'MLA' if cfg.mla else 'GQA'} {'MoE' if cfg.is_moe_layer(i) else 'dense'}" + \
-    (" sandwich" if cfg.sandwich_norm else "") + (" SWA" if b.swa else "") + (" layernorm" if cfg.layer_norm else "")  # gemma, gpt2
+    (" sandwich" if cfg.sandwich_norm else "") + (" SWA" if b.swa else "") + (" layernorm" if cfg.layer_norm else "") + \
+    (" sub-norm" if cfg.sub_norm else "")  # gemma, gpt2, bitnet
 
 def counts(model: Model, T: int) -> dict[str, dict[str, float]]:
   """{block kind: {kernels, bytes, packed}} for T tokens at position 7 (T=1: a decode step; else a prefill chunk), plus

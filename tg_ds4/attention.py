@@ -1,5 +1,5 @@
 """Grouped-query attention for the dense families (llama, qwen2/3, gemma3): a K/V cache per layer, RoPE, optional
-q/k/v biases (qwen2), per-head q/k RMS norms and a sliding window (gemma3)."""
+q/k/v biases (qwen2), per-head q/k RMS norms and a sliding window (gemma3), a norm before the output projection (bitnet)."""
 from __future__ import annotations
 
 from tinygrad import Device, Tensor, UOp, dtypes
@@ -15,10 +15,13 @@ class GQA:
   def __init__(self, cfg: ModelConfig, bias: bool = False, qk_norm: bool = False, window: int = 0):
     self.cfg, self.window, H, KV, D = cfg, window, cfg.n_head, cfg.n_kv_head, cfg.head_dim
     if qk_norm: self.attn_q_norm, self.attn_k_norm = RMSNorm(D, cfg.norm_eps), RMSNorm(D, cfg.norm_eps)
+    s = cfg.weight_scales
     if cfg.fused_qkv: self.attn_qkv = Linear(cfg.dim, (H + KV) * D + KV * cfg.v_head_dim, bias)  # gpt2: q|k|v rows in one tensor
     else:
-      self.attn_q, self.attn_k, self.attn_v = Linear(cfg.dim, H * D, bias), Linear(cfg.dim, KV * D, bias), Linear(cfg.dim, KV * cfg.v_head_dim, bias)
-    self.attn_output = Linear(H * cfg.v_head_dim, cfg.dim, cfg.out_bias)
+      self.attn_q, self.attn_k = Linear(cfg.dim, H * D, bias, s), Linear(cfg.dim, KV * D, bias, s)
+      self.attn_v = Linear(cfg.dim, KV * cfg.v_head_dim, bias, s)
+    if cfg.sub_norm: self.attn_sub_norm = RMSNorm(H * cfg.v_head_dim, cfg.norm_eps)  # bitnet
+    self.attn_output = Linear(H * cfg.v_head_dim, cfg.dim, cfg.out_bias, s)
     self.cache: Tensor | None = None
 
   def init_cache(self, max_ctx: int, device: str | None = None, dtype=dtypes.float32):
@@ -48,5 +51,5 @@ class GQA:
     else:  # a chunk: q is used by every key position, so materialize it once instead of recomputing its RoPE per key
       scores = (q.contiguous() @ k.unsqueeze(2).transpose(-1, -2)) * cfg.kq_scale  # [B,KV,G,T,S]
     if (mask := causal_mask(T, start_pos, self.window)) is not None: scores = scores + mask
-    o = (scores.softmax(-1) @ v.unsqueeze(2)).reshape(B, H, T, cfg.v_head_dim)
-    return self.attn_output(o.transpose(1, 2).reshape(B, T, H * cfg.v_head_dim))
+    o = (scores.softmax(-1) @ v.unsqueeze(2)).reshape(B, H, T, cfg.v_head_dim).transpose(1, 2).reshape(B, T, H * cfg.v_head_dim)
+    return self.attn_output(self.attn_sub_norm(o) if hasattr(self, "attn_sub_norm") else o)

@@ -20,8 +20,9 @@ class RopeType(IntEnum):
   NEOX = 2  # rotate halves (x[i], x[i+d/2]): qwen2, qwen3, gemma3
 
 ROPE_TYPE = {"deepseek2": RopeType.NORM, "llama": RopeType.NORM, "qwen2": RopeType.NEOX, "qwen3": RopeType.NEOX, "gemma3": RopeType.NEOX,
-             "gpt2": RopeType.NORM}  # gpt2: learned absolute positions, no rotation (rope dim 0)
+             "gpt2": RopeType.NORM, "bitnet": RopeType.NEOX}  # gpt2: learned absolute positions, no rotation (rope dim 0)
 SUPPORTED_ARCHS = tuple(ROPE_TYPE)
+SCALED_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")  # bitnet's optional `.scale`s
 
 @dataclass(frozen=True)
 class RopeConfig:
@@ -87,6 +88,9 @@ class ModelConfig:
   fused_qkv: bool = False          # `attn_qkv`: q, k and v rows in one tensor
   out_bias: bool = False           # `attn_output.bias`
   ffn_gated: bool = True           # gate|up (SwiGLU/GeGLU); False: up -> act -> down, with `ffn_up.bias`/`ffn_down.bias`
+  # BitNet b1.58 (bitnet): ternary projections, normed inputs to the two output projections
+  sub_norm: bool = False           # `attn_sub_norm` before attn_output, `ffn_sub_norm` of act(gate) * up before ffn_down
+  weight_scales: bool = False      # per-tensor output scales (`attn_q.scale`, ...), each optional as llama.cpp loads them
 
   @property
   def mla(self) -> bool: return self.kv_lora_rank > 0
@@ -166,4 +170,5 @@ class ModelConfig:
       attn_bias=has("attn_q.bias") or has("attn_qkv.bias"), qk_norm=has("attn_q_norm.weight"), sandwich_norm=has("post_attention_norm.weight"),
       fused_gate_up_exps=has("ffn_gate_up_exps.weight"), expert_bias=has("exp_probs_b.bias"),
       pos_embd=pos_embd, layer_norm=has("attn_norm.bias"), fused_qkv=has("attn_qkv.weight"), out_bias=has("attn_output.bias"),
-      ffn_gated=n_expert > 0 or has("ffn_gate.weight") or not has("ffn_up.weight"))
+      ffn_gated=n_expert > 0 or has("ffn_gate.weight") or not has("ffn_up.weight"), sub_norm=has("attn_sub_norm.weight"),
+      weight_scales=any(has(f"{t}.scale") for t in SCALED_TENSORS))

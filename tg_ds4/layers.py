@@ -33,15 +33,17 @@ class Params:
 class Linear:
   HOIST_MAX_BYTES = 1 << 28  # largest float32 copy a multi-token call may make of a weight (a big vocab head stays fused)
 
-  def __init__(self, n_in: int, n_out: int, bias: bool = False):
+  def __init__(self, n_in: int, n_out: int, bias: bool = False, scale: bool = False):
     self.weight: Weight | Param = Param(n_out, n_in)
     self.bias: Weight | Param | None = Param(n_out) if bias else None
+    if scale: self.scale: Weight | Param | None = Param(1, optional=True)  # bitnet: the output times one number, if the file has it
 
   def __call__(self, x: Tensor) -> Tensor:
     """One token: the fused dequant GEMV (reads only packed bytes). Several tokens (a prefill chunk): the fused kernel
     would unpack every weight once per token, so the weight is dequantized once into a float32 buffer and the chunk
     is a plain GEMM (2.7x faster on a 32-token chunk of qwen2.5's Q5_0 ffn_gate)."""
-    return matmul(x, self.weight, self.bias)
+    y = matmul(x, self.weight, self.bias)
+    return y * as_tensor(s) if (s := getattr(self, "scale", None)) is not None else y
 
 def matmul(x: Tensor, w: Weight, bias: Weight | None = None) -> Tensor:
   """What `Linear` computes, for a weight held elsewhere (a group of rows of a bigger one)."""
@@ -55,9 +57,9 @@ def matmul(x: Tensor, w: Weight, bias: Weight | None = None) -> Tensor:
 
 def fusable(*parts: Linear) -> bool:
   """The weights of `parts` are one kind (one packed format or one dtype, one input width, 2-D, all with or all
-  without bias), so their rows can be stacked into one weight."""
+  without bias, none with an output scale), so their rows can be stacked into one weight."""
   return len({(type(w := p.weight), w.qtype if isinstance(w, QTensor) else w.dtype, tuple(w.shape[1:]), p.bias is None)
-              for p in parts}) == 1 and len(parts[0].weight.shape) == 2
+              for p in parts}) == 1 and len(parts[0].weight.shape) == 2 and all(getattr(p, "scale", None) is None for p in parts)
 
 def _host(t: Tensor) -> np.ndarray | None:
   """A CPU tensor that is all of a realized buffer (reshaped at most), as numpy, read without lowering a kernel (a warm

@@ -29,7 +29,8 @@ class Block:
       self.post_attention_norm, self.post_ffw_norm = RMSNorm(cfg.dim, cfg.norm_eps), RMSNorm(cfg.dim, cfg.norm_eps)
     self.attn = MLA(cfg) if cfg.mla else GQA(cfg, bias=cfg.attn_bias, qk_norm=cfg.qk_norm, window=cfg.swa_window * self.swa)
     if cfg.is_moe_layer(i): self.ffn = MoE(cfg, fused_gate_up=cfg.fused_gate_up_exps, has_bias=cfg.expert_bias)
-    else: self.ffn = FFN(cfg.dim, cfg.ff_dim, act=cfg.ffn_act, gated=cfg.ffn_gated)
+    else: self.ffn = FFN(cfg.dim, cfg.ff_dim, act=cfg.ffn_act, gated=cfg.ffn_gated, sub_norm_eps=cfg.norm_eps if cfg.sub_norm else None,
+                         scaled=cfg.weight_scales)
 
   def fuse(self) -> None:
     """Dense GQA blocks: q|k as one GEMV, gate|up as one GEMV. A fused kernel of the gate and up GEMVs (tinygrad's

@@ -9,7 +9,7 @@ from __future__ import annotations
 from tinygrad import Tensor, dtypes
 
 from tg_ds4.config import Gating, ModelConfig
-from tg_ds4.layers import Linear, Param, Params
+from tg_ds4.layers import Linear, Param, Params, RMSNorm
 from tg_ds4.precision import matmuls_in
 from tg_ds4.quant import as_tensor, linear
 
@@ -46,21 +46,26 @@ def _swiglu(g: Tensor, u: Tensor, act: str = "silu") -> Tensor:
   return ((g.gelu() if act == "gelu" else g.silu()) * u).contiguous()
 
 class FFN:
-  """SwiGLU: down(silu(gate(x)) * up(x)) (GeGLU with gelu-tanh for gemma). Also the shared expert (`*_shexp`)."""
+  """SwiGLU: down(silu(gate(x)) * up(x)) (GeGLU with gelu-tanh for gemma). Also the shared expert (`*_shexp`).
+  bitnet: down(ffn_sub_norm(silu(gate(x)) * up(x))), each projection optionally times its own `.scale`."""
   gguf_flat = True
-  def __init__(self, dim: int, hidden: int, suffix: str = "", act: str = "silu", gated: bool = True):
+  def __init__(self, dim: int, hidden: int, suffix: str = "", act: str = "silu", gated: bool = True, sub_norm_eps: float | None = None,
+               scaled: bool = False):
     self.suffix, self.act, self.gated = suffix, act, gated
     if not gated:  # gpt2: down(gelu(up(x))), both with biases
       self.ffn_up, self.ffn_down = Linear(dim, hidden, bias=True), Linear(hidden, dim, bias=True)
       return
-    for n, (i, o) in {"gate": (dim, hidden), "up": (dim, hidden), "down": (hidden, dim)}.items(): setattr(self, f"ffn_{n}{suffix}", Linear(i, o))
+    for n, (i, o) in {"gate": (dim, hidden), "up": (dim, hidden), "down": (hidden, dim)}.items():
+      setattr(self, f"ffn_{n}{suffix}", Linear(i, o, scale=scaled))
+    if sub_norm_eps is not None: self.ffn_sub_norm = RMSNorm(hidden, sub_norm_eps)
   def __call__(self, x: Tensor) -> Tensor:
     s = self.suffix
     if not self.gated: return self.ffn_down(self.ffn_up(x).gelu().contiguous())  # materialised: see _swiglu
     if hasattr(self, "ffn_gate_up"):  # fused at load (model.Block.fuse): one GEMV, then the activation as its own kernel,
       g, u = self.ffn_gate_up(x).split(2 * [self.ffn_up.weight.shape[0]], dim=-1)  # else ffn_down recomputes it per row
-      return self.ffn_down(((g.gelu() if self.act == "gelu" else g.silu()) * u).contiguous())
-    return getattr(self, f"ffn_down{s}")(_swiglu(getattr(self, f"ffn_gate{s}")(x), getattr(self, f"ffn_up{s}")(x), self.act))
+      h = ((g.gelu() if self.act == "gelu" else g.silu()) * u).contiguous()
+    else: h = _swiglu(getattr(self, f"ffn_gate{s}")(x), getattr(self, f"ffn_up{s}")(x), self.act)
+    return getattr(self, f"ffn_down{s}")(self.ffn_sub_norm(h) if hasattr(self, "ffn_sub_norm") else h)
 
 class MoE:
   gguf_flat = True
