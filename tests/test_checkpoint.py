@@ -1,7 +1,8 @@
 """Hugging Face checkpoint folders (tg_ds4/checkpoint.py, hf_tokenizer.py) against independent references: transformers'
 logits, greedy ids and tokenizations of the same folders (tests/fixtures/make_hf_fixtures.py), llama.cpp's converter's
-GGUF of the same DeepSeek-V3-style model (metadata and every tensor), and gguf-py's quantizer."""
-import json, os, pathlib, struct, subprocess, sys
+GGUF of the same DeepSeek-V3-style model (metadata and every tensor), gguf-py's quantizers and ggml's own Q4_K blocks
+(tests/fixtures/make_q4k_reference.py)."""
+import hashlib, json, os, pathlib, struct, subprocess, sys
 
 import gguf
 import numpy as np
@@ -11,6 +12,7 @@ from tinygrad import dtypes
 
 from tg_ds4.checkpoint import Checkpoint, open_model
 from tg_ds4.gguf import GGUFError, GGUFFile
+from tg_ds4.kquant import Q4_K_BLOCK, quantize_blocks, quantize_q4_k
 from tg_ds4.runner import GREEDY, Runner
 from tg_ds4.tokenizer import Tokenizer
 
@@ -52,18 +54,56 @@ def test_tokenizer_matches_transformers(name):
     assert tok.encode(case["text"], add_special=True, parse_special=True) == case["ids"], case["text"]
     if "<" not in case["text"]: assert tok.decode(case["ids"]) == case["text"]
 
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
-def test_quantize_at_load_is_gguf_pys_quantize(qtype):
+@pytest.mark.parametrize("qtype,gets", [("q8_0", "Q8_0"), ("q4_0", "Q4_0"), ("q4_k", "Q5_0")])
+def test_quantize_at_load_is_gguf_pys_quantize(qtype, gets):
   """Each quantized matrix holds exactly gguf-py's blocks for the converter's float tensor of the same name; vectors, the
-  router and attn_kv_b stay float."""
+  router and attn_kv_b stay float. ds3's rows (32..128 elements) are no whole Q4_K block, so q4_k gives every matrix
+  llama.cpp's fallback Q5_0."""
   c, g = Checkpoint(HF / "ds3", qtype), GGUFFile(FIX / "deepseek2/ds3/ds3-F32.gguf")
-  qt = gguf.GGMLQuantizationType[qtype.upper()]
-  quantized = [n for n, i in c.infos.items() if i.qtype.name == qtype.upper()]
+  qt = gguf.GGMLQuantizationType[gets]
+  quantized = [n for n, i in c.infos.items() if i.qtype.name == gets]
   assert "blk.1.ffn_gate_exps.weight" in quantized and "token_embd.weight" in quantized and "output.weight" in quantized
   assert all(c.infos[n].qtype.name == "F32" for n in c.infos if n.endswith(("norm.weight", "ffn_gate_inp.weight", "attn_kv_b.weight", ".bias")))
   for n in quantized:
     want = quantize(g.tensor(n).dequant(dtypes.float32).numpy(), qt)
     np.testing.assert_array_equal(c.tensor(n).blocks.numpy().reshape(want.shape), want, err_msg=n)
+
+def test_q4_k_is_ggmls_quantizer():
+  """kquant's blocks equal ggml's (`ggml_quantize_chunk`, no importance matrix) byte for byte on every case of the
+  committed reference (weights-like blocks, outliers, ties, flat blocks, d rounding to float16 0 or overflowing it),
+  and on 16k streamed weights-like blocks by the SHA-256 of ggml's blocks per 1024: there a sum or product taken in
+  another order than ggml's changes 14..205 of the blocks (measured per order change), the few hundred committed ones
+  would likely miss it."""
+  from fixtures.make_q4k_reference import STREAM_BLOCKS, STREAM_CHUNK, stream_blocks
+  ref = np.load(FIX / "q4k_reference.npz")
+  with np.errstate(all="ignore"): got = quantize_blocks(ref["x"])  # the overflowing cases compute with inf, as ggml does
+  for i, kind in enumerate(ref["kinds"]):
+    np.testing.assert_array_equal(got[ref["kind"] == i], ref["q4k"][ref["kind"] == i], err_msg=str(kind))
+  chunks = quantize_blocks(stream_blocks(STREAM_BLOCKS)).reshape(-1, STREAM_CHUNK * got.shape[1])
+  assert [hashlib.sha256(c.tobytes()).hexdigest() for c in chunks] == list(ref["stream_sha256"])
+
+def test_q4_k_load_is_kquant_with_q5_0_fallback(tmp_path):
+  """A q4_k load of a folder with 256-element rows: each matrix with whole 256-element rows holds exactly kquant's blocks
+  of its converter-order floats (llama's q/k permuted), ffn_down's 288-element rows get llama.cpp's fallback Q5_0
+  (gguf-py's blocks), norms stay F32. The engine's dequant of each Q4_K block is within R/15 of the floats, R a block's
+  span max(x, 0) - min(x, 0): half a 4-bit step of a sub-block's span (<= R/30), plus the 6-bit rounding of its min
+  (<= R/126) and of its scale times the top quant 15 (~R/126), ~R/20, leaves room for the weighted fit's leaving a
+  sub-block's extremes outside its grid (measured: R/22 here, R/17 at worst on 20k N(0, 1) or uniform blocks); a
+  packing or scale bug costs ~R."""
+  _write_big_llama(tmp_path, layers=1, dim=256, ff=288, vocab=512)
+  c = Checkpoint(tmp_path, "q4_k")
+  types = {n: i.qtype.name for n, i in c.infos.items()}
+  assert types["blk.0.ffn_down.weight"] == "Q5_0" and types["blk.0.attn_norm.weight"] == "F32"
+  assert {n for n, t in types.items() if t == "Q4_K"} == {n for n, i in c.infos.items() if len(i.shape) == 2 and i.shape[-1] % Q4_K_BLOCK == 0}
+  for n, t in types.items():
+    if t == "F32": continue
+    x = c.host_array(n).astype(np.float32)
+    want = quantize_q4_k(x) if t == "Q4_K" else quantize(x, gguf.GGMLQuantizationType[t])
+    np.testing.assert_array_equal(c.tensor(n).blocks.numpy().reshape(want.shape), want, err_msg=n)
+    if t != "Q4_K": continue
+    blocks, got = x.reshape(-1, Q4_K_BLOCK), c.tensor(n).dequant(dtypes.float32).numpy().reshape(-1, Q4_K_BLOCK)
+    span = np.maximum(blocks.max(1), 0) - np.minimum(blocks.min(1), 0)
+    assert (np.abs(got - blocks).max(1) <= span / 15).all(), (n, float((np.abs(got - blocks).max(1) / span).max()))
 
 def test_errors_name_the_file_and_what_was_expected(tmp_path):
   with pytest.raises(GGUFError, match="is a directory without config.json"): open_model(tmp_path)
@@ -73,7 +113,7 @@ def test_errors_name_the_file_and_what_was_expected(tmp_path):
   with pytest.raises(GGUFError, match="no model.safetensors"): open_model(tmp_path)
   (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
   with pytest.raises(GGUFError, match="header length .* runs past the end"): open_model(tmp_path)
-  with pytest.raises(GGUFError, match="--quantize 'q4_k' is not supported"): open_model(HF / "llama", "q4_k")
+  with pytest.raises(GGUFError, match="--quantize 'q2_k' is not supported"): open_model(HF / "llama", "q2_k")
   with pytest.raises(GGUFError, match="--quantize applies to checkpoint folders"): open_model(FIX / "deepseek2/ds3/ds3-F32.gguf", "q4_0")
 
 def _write_big_llama(d: pathlib.Path, layers: int = 8, dim: int = 1024, ff: int = 4096, vocab: int = 8192) -> int:

@@ -8,10 +8,14 @@ are read from the mmapped safetensors without a copy on the CPU where the file's
 are; three cases need a copy made at load: llama's q/k rows reordered for its interleaved RoPE (the converter's
 permute), a mixture of experts' per-expert matrices stacked into one `[E, out, in]` tensor, and quantization.
 
-`quantize="q8_0"|"q4_0"` quantizes each matrix at load, one tensor at a time with gguf-py's reference quantizers (so
-the blocks are bit for bit what `gguf.quants.quantize` makes of the same floats), a few rows at a time: one source
-tensor read into memory is the most ever held beside the packed result. Not quantized, as llama.cpp's quantizer also leaves them: vectors (norms,
-biases), the MoE router `ffn_gate_inp` and the MLA `attn_kv_b`, which the model splits into float k_b / v_b."""
+`quantize="q8_0"|"q4_0"|"q4_k"` quantizes each matrix at load, one tensor at a time with reference quantizers: gguf-py's
+for q8_0 / q4_0 (so the blocks are bit for bit what `gguf.quants.quantize` makes of the same floats) and tg_ds4.kquant's
+for q4_k (bit for bit ggml's `quantize_row_q4_K_ref`, what llama.cpp's quantizer writes without an importance matrix),
+a few rows at a time: one source tensor read into memory is the most ever held beside the packed result. A q4_k
+matrix whose rows are not whole 256-element blocks gets Q5_0 instead, llama.cpp's fallback for Q4_K. Not quantized, as
+llama.cpp's quantizer also leaves them: vectors (norms, biases), the MoE router `ffn_gate_inp` and the MLA
+`attn_kv_b`, which the model splits into float k_b / v_b; nor a matrix whose rows are not whole blocks of the type it
+would get (32 elements for q8_0 / q4_0 / Q5_0), which stays in the file's float type."""
 from __future__ import annotations
 
 import hashlib, json, os, pathlib, re, struct, weakref
@@ -26,8 +30,11 @@ from tg_ds4.quant import QTYPE_BY_NAME, QTensor
 
 # config.json "architectures"[0] -> GGUF architecture
 ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "DeepseekV2ForCausalLM": "deepseek2", "DeepseekV3ForCausalLM": "deepseek2"}
-QUANTIZE = ("q8_0", "q4_0")
-QUANTIZE_ROWS_BYTES = 1 << 20  # float32 rows gguf-py quantizes at once (see Checkpoint._packed)
+QUANTIZE = ("q8_0", "q4_0", "q4_k")
+# the type a matrix gets when its rows are not whole blocks of the one asked for: llama.cpp's (llama-quant.cpp
+# tensor_type_fallback), so a q4_k load is the model its quantizer writes
+QUANTIZE_FALLBACK = {"Q4_K": "Q5_0"}
+QUANTIZE_ROWS_BYTES = 1 << 20  # float32 rows quantized at once (see Checkpoint._packed)
 
 # HF tensor name -> GGUF name, per GGUF architecture; `{i}` is the layer (the converter's tensor_mapping.py, for these archs)
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
@@ -240,8 +247,9 @@ class Checkpoint:
 
   def _qtype(self, gname: str, shape: tuple[int, ...], dtype: str) -> str:
     q = self.quantize.upper() if self.quantize else None
-    if q is None or len(shape) < 2 or shape[-1] % QTYPE_BY_NAME[q].block or gname.endswith(("ffn_gate_inp.weight", "attn_kv_b.weight")): return dtype
-    return q
+    if q is None or len(shape) < 2 or gname.endswith(("ffn_gate_inp.weight", "attn_kv_b.weight")): return dtype
+    if shape[-1] % QTYPE_BY_NAME[q].block: q = QUANTIZE_FALLBACK.get(q)
+    return dtype if q is None or shape[-1] % QTYPE_BY_NAME[q].block else q
 
   @property
   def arch(self) -> str: return self.metadata["general.architecture"]
@@ -306,15 +314,17 @@ class Checkpoint:
     return QTensor(raw.reshape(info.block_shape), info.qtype, info.shape)
 
   def _packed(self, name: str, info: TensorInfo) -> np.ndarray:
-    """The bytes of `name` in its GGUF type: the file's floats as they are, or quantized by gguf-py from float32 a few
-    rows at a time (its quantizers hold several float temporaries of their input: whole, a big head would cost ~3x
-    its float size) and for stacked experts one expert at a time. Blocks never span rows, so this is bit for bit
-    the quantization of the whole tensor."""
+    """The bytes of `name` in its GGUF type: the file's floats as they are, or quantized from float32 (gguf-py's
+    quantizers, kquant's for Q4_K) a few rows at a time (the quantizers hold several float temporaries of their input:
+    whole, a big head would cost ~3x its float size, ~10x with Q4_K's) and for stacked experts one expert at a time.
+    Blocks never span rows, so this is bit for bit the quantization of the whole tensor."""
     how, srcs = self.parts[name]
     if how == "generated" or info.qtype.name == srcs[0].dtype: return np.ascontiguousarray(self.host_array(name)).view(np.uint8).reshape(-1)
     import gguf
-    from gguf.quants import quantize
+    from gguf.quants import quantize as gguf_quantize
+    from tg_ds4.kquant import quantize_q4_k
     qt, row_bytes = gguf.GGMLQuantizationType[info.qtype.name], info.shape[-1] // info.qtype.block * info.qtype.nbytes
+    quantize = quantize_q4_k if info.qtype.name == "Q4_K" else lambda f: gguf_quantize(f, qt)
     out = np.empty((int(np.prod(info.shape[:-1], dtype=np.int64)), row_bytes), np.uint8)
     pieces = [(s, None) for s in srcs] if how == "stack" else [(srcs[0], name)]
     row = 0
@@ -324,7 +334,7 @@ class Checkpoint:
       step = max(1, QUANTIZE_ROWS_BYTES // (4 * a.shape[-1]))
       for i in range(0, a.shape[0], step):
         f = (a[i:i + step].astype(np.uint32) << 16).view(np.float32) if s.dtype == "BF16" else a[i:i + step].astype(np.float32)
-        out[row + i:row + i + len(f)] = quantize(f, qt)
+        out[row + i:row + i + len(f)] = quantize(f)
       row += a.shape[0]
     return out.reshape(-1)
 
