@@ -34,8 +34,9 @@ def block_kind(model: Model, i: int) -> str:
   if isinstance(model, DS4Transformer):  # attention by compression ratio (window / ratio 4 + indexer / ratio 128), routing by hash or top-k
     return f"DS4 {dict([(0, 'SWA'), (4, 'CSA'), (128, 'HCA')])[cfg.compress_ratios[i]]} {'hash-MoE' if i < cfg.n_hash_layer else 'MoE'}"
   return f"{'MLA' if cfg.mla else 'GQA'} {'MoE' if cfg.is_moe_layer(i) else 'dense'}" + \
-    (" sandwich" if cfg.sandwich_norm else "") + (" SWA" if b.swa else "") + (" layernorm" if cfg.layer_norm else "") + \
-    (" sub-norm" if cfg.sub_norm else "")  # gemma, gpt2, bitnet
+    (" sandwich" if cfg.sandwich_norm else "") + (" V-norm" if cfg.v_norm else "") + (" SWA" if b.swa else "") + \
+    (" layernorm" if cfg.layer_norm else "") + (" sub-norm" if cfg.sub_norm else "") + (" PLE" if cfg.per_layer_dim else "") + \
+    (" shared-KV" if getattr(b.attn, "kv_from", None) is not None else "")  # gemma, gpt2, bitnet, gemma4
 
 def counts(model: Model, T: int) -> dict[str, dict[str, float]]:
   """{block kind: {kernels, bytes, packed}} for T tokens at position 7 (T=1: a decode step; else a prefill chunk), plus
@@ -43,12 +44,18 @@ def counts(model: Model, T: int) -> dict[str, dict[str, float]]:
   cfg, out, pos = model.cfg, {}, UOp.variable("start_pos", 0, model.max_ctx - 1).bind(7)
   ds4 = isinstance(model, DS4Transformer)  # hyper-connection streams in, token ids for hash routing
   tokens = UOp.variable("token", 0, cfg.n_vocab - 1).bind(1) if T == 1 else Tensor.zeros(1, T, dtype=dtypes.int32).contiguous().realize()
+  kvs: dict = {}  # gemma4: the caches a shared-KV block reads, written by its source block beforehand (not counted)
+  pl = Tensor.empty(1, T, cfg.per_layer_dim).realize() if not ds4 and cfg.per_layer_dim else None
   for i, b in enumerate(model.blk):
     if (kind := block_kind(model, i)) in out: continue
     x = Tensor.empty(1, T, *((cfg.hc,) if ds4 else ()), cfg.dim).realize()
+    if (src := getattr(b.attn, "kv_from", None)) is not None and src not in kvs:
+      s = model.blk[src]
+      s(x, pos, model.rope_swa if s.swa else model.rope, kvs, pl).realize()
+      kvs[src] = kvs[src].realize()
     GlobalCounters.reset()
     if ds4: b(x, tokens, pos, model.tabs).realize()
-    else: b(x, pos, model.rope_swa if b.swa else model.rope).realize()
+    else: b(x, pos, model.rope_swa if b.swa else model.rope, kvs, pl).realize()
     out[kind] = {"kernels": GlobalCounters.kernel_count, "bytes": GlobalCounters.global_mem, "packed": _packed_bytes(b)}
   x = Tensor.empty(1, T, *((cfg.hc,) if ds4 else ()), cfg.dim).realize()
   GlobalCounters.reset()

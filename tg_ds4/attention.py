@@ -12,37 +12,60 @@ from tg_ds4.rope import apply_rope
 
 class GQA:
   gguf_flat = True
-  def __init__(self, cfg: ModelConfig, bias: bool = False, qk_norm: bool = False, window: int = 0):
-    self.cfg, self.window, H, KV, D = cfg, window, cfg.n_head, cfg.n_kv_head, cfg.head_dim
-    if qk_norm: self.attn_q_norm, self.attn_k_norm = RMSNorm(D, cfg.norm_eps), RMSNorm(D, cfg.norm_eps)
+  def __init__(self, cfg: ModelConfig, bias: bool = False, qk_norm: bool = False, window: int = 0, index: int = 0,
+               kv_from: int | None = None, v_from_k: bool = False):
+    """cfg as this layer sees it (ModelConfig.layer); `index` its layer; `kv_from` the layer whose KV it attends over
+    instead of its own (gemma4's shared-KV layers: no k/v projections, no cache); `v_from_k`: V is the raw K projection."""
+    self.cfg, self.window, self.index, self.kv_from, self.v_from_k = cfg, window, index, kv_from, v_from_k
+    H, KV, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+    if qk_norm:
+      self.attn_q_norm = RMSNorm(D, cfg.norm_eps)
+      if kv_from is None: self.attn_k_norm = RMSNorm(D, cfg.norm_eps)
     s = cfg.weight_scales
     if cfg.fused_qkv: self.attn_qkv = Linear(cfg.dim, (H + KV) * D + KV * cfg.v_head_dim, bias)  # gpt2: q|k|v rows in one tensor
     else:
-      self.attn_q, self.attn_k = Linear(cfg.dim, H * D, bias, s), Linear(cfg.dim, KV * D, bias, s)
-      self.attn_v = Linear(cfg.dim, KV * cfg.v_head_dim, bias, s)
+      self.attn_q = Linear(cfg.dim, H * D, bias, s)
+      if kv_from is None: self.attn_k = Linear(cfg.dim, KV * D, bias, s)
+      if kv_from is None and not v_from_k: self.attn_v = Linear(cfg.dim, KV * cfg.v_head_dim, bias, s)
     if cfg.sub_norm: self.attn_sub_norm = RMSNorm(H * cfg.v_head_dim, cfg.norm_eps)  # bitnet
     self.attn_output = Linear(H * cfg.v_head_dim, cfg.dim, cfg.out_bias, s)
     self.cache: Tensor | None = None
 
   def init_cache(self, max_ctx: int, device: str | None = None, dtype=dtypes.float32):
     c = self.cfg
-    self.cache = zeros((1, max_ctx, c.n_kv_head, c.head_dim + c.v_head_dim), dtype, device or Device.DEFAULT)
+    if self.kv_from is None: self.cache = zeros((1, max_ctx, c.n_kv_head, c.head_dim + c.v_head_dim), dtype, device or Device.DEFAULT)
 
-  def __call__(self, x: Tensor, start_pos: int | UOp, rope: Tensor) -> Tensor:
+  def __call__(self, x: Tensor, start_pos: int | UOp, rope: Tensor, kvs: dict[int, Tensor] | None = None) -> Tensor:
+    """`kvs`: layer -> its cache as this forward wrote it, for layers that attend over another's (kv_from)."""
     cfg, (B, T, _) = self.cfg, x.shape
     H, KV, D, R = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.rope.dim
+    rot = lambda t: apply_rope(t[..., :R], rope, start_pos, cfg.rope.type).cat(t[..., R:], dim=-1) if 0 < R < D else \
+      apply_rope(t, rope, start_pos, cfg.rope.type) if R else t
+    if self.kv_from is not None:  # gemma4's shared-KV layers: q only, over the cache the source layer wrote in this forward
+      if kvs is None or self.kv_from not in kvs: raise ValueError(f"layer {self.index} attends over layer {self.kv_from}'s KV: run that layer first")
+      q = self.attn_q(x).reshape(B, T, H, D)
+      kv = kvs[self.kv_from]
+      q = rot(self.attn_q_norm(q) if hasattr(self, "attn_q_norm") else q)
+      return self._attend(q, kv, start_pos)
     if hasattr(self, "attn_qkv"): q, k, v = self.attn_qkv(x).split([H * D, KV * D, KV * cfg.v_head_dim], dim=-1)
     elif hasattr(self, "attn_qk"): (q, k), v = self.attn_qk(x).split([H * D, KV * D], dim=-1), self.attn_v(x)  # fused at load (Block.fuse)
-    else: q, k, v = self.attn_q(x), self.attn_k(x), self.attn_v(x)
+    else:
+      q, k = self.attn_q(x), self.attn_k(x)
+      v = k if self.v_from_k else self.attn_v(x)
     q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, KV, D), v.reshape(B, T, KV, cfg.v_head_dim)
     if hasattr(self, "attn_q_norm"): q, k = self.attn_q_norm(q), self.attn_k_norm(k)
-    if 0 < R < D:
-      q = apply_rope(q[..., :R], rope, start_pos, cfg.rope.type).cat(q[..., R:], dim=-1)
-      k = apply_rope(k[..., :R], rope, start_pos, cfg.rope.type).cat(k[..., R:], dim=-1)
-    elif R: q, k = apply_rope(q, rope, start_pos, cfg.rope.type), apply_rope(k, rope, start_pos, cfg.rope.type)
+    if cfg.v_norm: v = v.float() * (v.float().square().mean(-1, keepdim=True) + cfg.norm_eps).rsqrt()  # gemma4: no weight
+    q, k = rot(q), rot(k)
     # a chunk's v GEMM as its own kernel: fused into the cache write (beside k's RoPE) it gets no GEMM opts (qwen2.5,
     # 32 tokens: 3.8 ms -> 0.4 ms); one token's GEMV fuses fine and saves a launch
     kv = write_cache(self.cache, k.cat(v.contiguous() if T > 1 else v, dim=-1), start_pos)                     # [B,S,KV,D+Dv]
+    if kvs is not None: kvs[self.index] = kv
+    return self._attend(q, kv, start_pos)
+
+  def _attend(self, q: Tensor, kv: Tensor, start_pos: int | UOp) -> Tensor:
+    """q `[B,T,H,D]` (normed, rotated) over the cache rows `kv` `[B,S,KV,D+Dv]` -> the output projection's result."""
+    cfg, (B, T, H, D) = self.cfg, q.shape
+    KV = kv.shape[2]
     k, v = kv[..., :D].transpose(1, 2), kv[..., D:].transpose(1, 2)                                               # [B,KV,S,*]
     q = q.transpose(1, 2).reshape(B, KV, H // KV, T, D)                  # heads grouped by the KV head they share
     if T == 1 and D % 16 == 0:  # decode: 16 lane accumulators per score, as in quant.linear (vector multiply-adds)

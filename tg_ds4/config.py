@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 
 from tg_ds4.gguf import GGUFError, GGUFFile
@@ -20,7 +20,7 @@ class RopeType(IntEnum):
   NEOX = 2  # rotate halves (x[i], x[i+d/2]): qwen2, qwen3, gemma3
 
 ROPE_TYPE = {"deepseek2": RopeType.NORM, "llama": RopeType.NORM, "qwen2": RopeType.NEOX, "qwen3": RopeType.NEOX, "gemma3": RopeType.NEOX,
-             "gpt2": RopeType.NORM, "bitnet": RopeType.NEOX}  # gpt2: learned absolute positions, no rotation (rope dim 0)
+             "gemma4": RopeType.NEOX, "gpt2": RopeType.NORM, "bitnet": RopeType.NEOX}  # gpt2: learned absolute positions, no rotation (rope dim 0)
 SUPPORTED_ARCHS = tuple(ROPE_TYPE)
 SCALED_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")  # bitnet's optional `.scale`s
 
@@ -91,6 +91,16 @@ class ModelConfig:
   # BitNet b1.58 (bitnet): ternary projections, normed inputs to the two output projections
   sub_norm: bool = False           # `attn_sub_norm` before attn_output, `ffn_sub_norm` of act(gate) * up before ffn_down
   weight_scales: bool = False      # per-tensor output scales (`attn_q.scale`, ...), each optional as llama.cpp loads them
+  # Gemma 4 (gemma4): two layer kinds of their own widths, layers reading earlier layers' KV, per-layer embeddings
+  head_dim_swa: int = 0            # q/k/v head size of the sliding-window layers (0: head_dim)
+  rope_dim_swa: int = 0            # rotated dims of the sliding-window layers (0: rope.dim)
+  n_kv_heads: tuple[int, ...] = ()  # per-layer KV heads (empty: n_kv_head everywhere)
+  ff_dims: tuple[int, ...] = ()    # per-layer FFN widths (empty: ff_dim everywhere)
+  v_from_k: tuple[bool, ...] = ()  # per layer: no `attn_v`, V is the raw K projection (attention_k_eq_v)
+  v_norm: bool = False             # V RMS-normed without a weight
+  n_kv_shared: int = 0             # the last n layers own no KV and attend over an earlier layer's (kv_source)
+  per_layer_dim: int = 0           # per-layer embedding width (`per_layer_token_embd`, each block's `inp_gate`/`proj`)
+  layer_output_scale: bool = False  # each block's output times its `layer_output_scale`
 
   @property
   def mla(self) -> bool: return self.kv_lora_rank > 0
@@ -98,6 +108,20 @@ class ModelConfig:
   def qk_nope(self) -> int: return self.head_dim - self.rope.dim
   def is_moe_layer(self, i: int) -> bool: return self.n_expert > 0 and i >= self.n_dense_lead
   def is_swa_layer(self, i: int) -> bool: return bool(self.swa_window) and bool(self.swa_layers) and self.swa_layers[i]
+  def kv_source(self, i: int) -> int | None:
+    """The layer whose KV cache layer i attends over when it owns none: llama.cpp's rule for gemma4, the last cache-owning
+    layer for a full-attention layer and the one before it for a sliding-window layer (transformers picks the last
+    cache-owning layer of the same kind: the same layers for the released models' patterns)."""
+    if i < (own := self.n_layer - self.n_kv_shared): return None
+    return own - (2 if self.is_swa_layer(i) else 1)
+  def layer(self, i: int) -> ModelConfig:
+    """This config as layer i sees it: its head size, KV heads, FFN width and rotated dims where they vary by layer."""
+    if not (self.head_dim_swa or self.n_kv_heads or self.ff_dims): return self
+    swa = self.is_swa_layer(i)
+    d = self.head_dim_swa if swa and self.head_dim_swa else self.head_dim
+    return replace(self, head_dim=d, v_head_dim=d, n_kv_head=self.n_kv_heads[i] if self.n_kv_heads else self.n_kv_head,
+                   ff_dim=self.ff_dims[i] if self.ff_dims else self.ff_dim,
+                   rope=replace(self.rope, dim=self.rope_dim_swa) if swa and self.rope_dim_swa else self.rope)
 
   @staticmethod
   def from_gguf(gf: GGUFFile) -> ModelConfig:
@@ -110,8 +134,12 @@ class ModelConfig:
       return v
     n_layer = int(key("block_count", required=True)) - int(key("nextn_predict_layers", 0))
     dim, n_head = int(key("embedding_length", required=True)), int(key("attention.head_count", required=True))
-    n_kv_head = key("attention.head_count_kv", n_head)
-    if isinstance(n_kv_head, list): raise GGUFError(f"{gf.path}: per-layer {arch}.attention.head_count_kv is not supported")
+    n_kv_head, n_kv_heads = key("attention.head_count_kv", n_head), ()
+    if isinstance(n_kv_head, list):
+      if arch != "gemma4": raise GGUFError(f"{gf.path}: per-layer {arch}.attention.head_count_kv is not supported")
+      n_kv_heads, n_kv_head = tuple(int(v) for v in n_kv_head[:n_layer]), max(n_kv_head)
+    ff, ff_dims = key("feed_forward_length", 0), ()
+    if isinstance(ff, list): ff_dims, ff = tuple(int(v) for v in ff[:n_layer]), max(ff)  # gemma4's double-wide FFNs
     tokens = gf.get("tokenizer.ggml.tokens")
     n_vocab = key("vocab_size") or (len(tokens) if tokens else None) or \
       (gf.infos["token_embd.weight"].shape[0] if "token_embd.weight" in gf else None)
@@ -143,22 +171,25 @@ class ModelConfig:
 
     # sliding-window layers as llama.cpp's load_swa_pattern: an explicit per-layer array, or every n-th layer global
     swa_window, swa_layers = int(key("attention.sliding_window", 0) or 0), ()
-    if swa_window and arch == "gemma3":
+    if swa_window and arch in ("gemma3", "gemma4"):
       pat = key("attention.sliding_window_pattern", 6)
       swa_layers = tuple(bool(v) for v in pat) if isinstance(pat, list) else tuple(pat == 0 or i % pat < pat - 1 for i in range(n_layer))
-    gemma = arch == "gemma3"
+    gemma = arch in ("gemma3", "gemma4")
+    if arch == "gemma4" and has("ffn_gate_inp.weight"):
+      raise GGUFError(f"{gf.path}: gemma4 with experts (blk.*.ffn_gate_inp.weight, the 26B-A4B) is not supported, only the dense models")
     norm_eps = key("attention.layer_norm_rms_epsilon") or key("attention.layer_norm_epsilon", 1e-5)  # RMSNorm / LayerNorm
-    # gemma3 scales q by 1/sqrt(head_dim), except the 27B (62 layers): 1/sqrt(dim / n_head)
-    attn_scale = 1.0 / math.sqrt(dim / n_head if gemma and n_layer == 62 else head_dim)
+    # gemma3 scales q by 1/sqrt(head_dim), except the 27B (62 layers): 1/sqrt(dim / n_head); gemma4 not at all (its q/k norms)
+    attn_scale = 1.0 if arch == "gemma4" else 1.0 / math.sqrt(dim / n_head if gemma and n_layer == 62 else head_dim)
 
     n_expert = int(key("expert_count", 0))
+    n_kv_shared = int(key("attention.shared_kv_layers", 0) or 0)
     gating = key("expert_gating_func", 0)
     if not gating:  # llama.cpp's default for GGUFs without the key: softmax, except GLM-4.7-Flash (sigmoid)
       gating = Gating.SIGMOID if arch == "deepseek2" and n_layer in (47, 48) and n_vocab == 154880 else Gating.SOFTMAX
-    return ModelConfig(
+    cfg = ModelConfig(
       arch=arch, n_layer=n_layer, dim=dim, n_vocab=int(n_vocab), n_head=n_head, n_kv_head=int(n_kv_head), head_dim=head_dim,
       v_head_dim=v_head_dim, norm_eps=float(norm_eps), ctx_len=ctx_len, rope=rope,
-      kq_scale=kq_mscale * kq_mscale * attn_scale, ff_dim=int(key("feed_forward_length", 0)), ffn_act="gelu" if gemma or arch == "gpt2" else "silu",
+      kq_scale=kq_mscale * kq_mscale * attn_scale, ff_dim=int(ff), ffn_act="gelu" if gemma or arch == "gpt2" else "silu",
       embed_scale=math.sqrt(dim) if gemma else 1.0, swa_window=swa_window if swa_layers else 0, swa_layers=swa_layers,
       rope_base_swa=float(key("rope.freq_base_swa", 10000.0)), logit_softcap=float(key("final_logit_softcapping", 0.0) or 0.0),
       q_lora_rank=int(key("attention.q_lora_rank", 0) or 0), kv_lora_rank=kv_lora,
@@ -171,4 +202,15 @@ class ModelConfig:
       fused_gate_up_exps=has("ffn_gate_up_exps.weight"), expert_bias=has("exp_probs_b.bias"),
       pos_embd=pos_embd, layer_norm=has("attn_norm.bias"), fused_qkv=has("attn_qkv.weight"), out_bias=has("attn_output.bias"),
       ffn_gated=n_expert > 0 or has("ffn_gate.weight") or not has("ffn_up.weight"), sub_norm=has("attn_sub_norm.weight"),
-      weight_scales=any(has(f"{t}.scale") for t in SCALED_TENSORS))
+      weight_scales=any(has(f"{t}.scale") for t in SCALED_TENSORS),
+      head_dim_swa=int(key("attention.key_length_swa", 0) or 0), rope_dim_swa=int(key("rope.dimension_count_swa", 0) or 0),
+      n_kv_heads=n_kv_heads, ff_dims=ff_dims, n_kv_shared=n_kv_shared, v_norm=arch == "gemma4",
+      v_from_k=tuple(i < n_layer - n_kv_shared and f"blk.{i}.attn_v.weight" not in gf for i in range(n_layer)) if arch == "gemma4" else (),
+      per_layer_dim=int(key("embedding_length_per_layer_input", 0) or 0), layer_output_scale=has("layer_output_scale.weight"))
+    for i in range(n_layer):
+      if (src := cfg.kv_source(i)) is None: continue
+      mine, theirs = cfg.layer(i), cfg.layer(src)
+      if src < 0 or cfg.is_swa_layer(src) != cfg.is_swa_layer(i) or (mine.head_dim, mine.n_kv_head) != (theirs.head_dim, theirs.n_kv_head):
+        raise GGUFError(f"{gf.path}: layer {i} shares the KV of layer {src} ({arch}.attention.shared_kv_layers = {n_kv_shared}), "
+                        "which is not a cache-owning layer of its kind and width")
+    return cfg

@@ -3,7 +3,7 @@
 Module attributes carry GGUF tensor names, so `load_weights` fills them with packed tensors straight from the file."""
 from __future__ import annotations
 
-import dataclasses
+import dataclasses, math
 
 import numpy as np
 
@@ -13,24 +13,28 @@ from tg_ds4 import actquant, backend, compat, precision
 from tg_ds4.attention import GQA
 from tg_ds4.config import ModelConfig
 from tg_ds4.gguf import GGUFError, GGUFFile
-from tg_ds4.layers import Embedding, LayerNorm, Linear, RMSNorm, fusable, fuse_rows, load_weights
+from tg_ds4.layers import Embedding, LayerNorm, Linear, Param, Params, RMSNorm, fusable, fuse_rows, load_weights
 from tg_ds4.mla import MLA
 from tg_ds4.moe import FFN, MoE
-from tg_ds4.quant import QTensor
+from tg_ds4.quant import QTensor, as_tensor
 from tg_ds4.rope import rope_table
 
 
 class Block:
   def __init__(self, cfg: ModelConfig, i: int):
-    self.swa = cfg.is_swa_layer(i)
+    self.swa, lc = cfg.is_swa_layer(i), cfg.layer(i)
     Norm = LayerNorm if cfg.layer_norm else RMSNorm
     self.attn_norm, self.ffn_norm = Norm(cfg.dim, cfg.norm_eps), Norm(cfg.dim, cfg.norm_eps)
     if cfg.sandwich_norm:  # gemma's sandwich norms: the sublayer outputs are normed before the residual add
       self.post_attention_norm, self.post_ffw_norm = RMSNorm(cfg.dim, cfg.norm_eps), RMSNorm(cfg.dim, cfg.norm_eps)
-    self.attn = MLA(cfg) if cfg.mla else GQA(cfg, bias=cfg.attn_bias, qk_norm=cfg.qk_norm, window=cfg.swa_window * self.swa)
+    self.attn = MLA(cfg) if cfg.mla else GQA(lc, bias=cfg.attn_bias, qk_norm=cfg.qk_norm, window=cfg.swa_window * self.swa, index=i,
+                                             kv_from=cfg.kv_source(i), v_from_k=bool(cfg.v_from_k) and cfg.v_from_k[i])
     if cfg.is_moe_layer(i): self.ffn = MoE(cfg, fused_gate_up=cfg.fused_gate_up_exps, has_bias=cfg.expert_bias)
-    else: self.ffn = FFN(cfg.dim, cfg.ff_dim, act=cfg.ffn_act, gated=cfg.ffn_gated, sub_norm_eps=cfg.norm_eps if cfg.sub_norm else None,
+    else: self.ffn = FFN(cfg.dim, lc.ff_dim, act=cfg.ffn_act, gated=cfg.ffn_gated, sub_norm_eps=cfg.norm_eps if cfg.sub_norm else None,
                          scaled=cfg.weight_scales)
+    if P := cfg.per_layer_dim:  # gemma4's per-layer embeddings, gated by the block's output and added after the FFN
+      self.inp_gate, self.proj, self.post_norm = Linear(cfg.dim, P), Linear(P, cfg.dim), RMSNorm(cfg.dim, cfg.norm_eps)
+    if cfg.layer_output_scale: self.layer_output_scale = Params(weight=Param(1))
 
   def fuse(self) -> None:
     """Dense GQA blocks: q|k as one GEMV, gate|up as one GEMV. A fused kernel of the gate and up GEMVs (tinygrad's
@@ -38,18 +42,27 @@ class Block:
     stacked rows runs at ~6 GB/s but needs the activation as a kernel of its own. Fusing q|k pays that kernel back, so
     both happen or neither does (the block's kernel budget holds)."""
     if self.attn.__class__ is not GQA or self.ffn.__class__ is not FFN or hasattr(self.attn, "attn_qkv") or not self.ffn.gated: return
+    if not hasattr(self.attn, "attn_v"): return  # gemma4: a layer over another's KV, or with V from the K projection
     a, f = self.attn, self.ffn
     if fusable(a.attn_q, a.attn_k) and fusable(f.ffn_gate, f.ffn_up):
       a.attn_qk, f.ffn_gate_up = fuse_rows(a.attn_q, a.attn_k), fuse_rows(f.ffn_gate, f.ffn_up)
 
-  def __call__(self, x: Tensor, start_pos: int | UOp, rope: Tensor) -> Tensor:
+  def __call__(self, x: Tensor, start_pos: int | UOp, rope: Tensor, kvs: dict[int, Tensor] | None = None,
+               per_layer: Tensor | None = None) -> Tensor:
+    """`kvs`: the caches this forward's earlier layers wrote, by layer (GQA); `per_layer`: this layer's per-layer
+    embedding input `[B, T, per_layer_dim]` (gemma4)."""
     post = hasattr(self, "post_attention_norm")
-    a = self.attn(self.attn_norm(x), start_pos, rope)
+    a = self.attn(self.attn_norm(x), start_pos, rope, kvs) if isinstance(self.attn, GQA) else self.attn(self.attn_norm(x), start_pos, rope)
     h = x + (self.post_attention_norm(a) if post else a)
     f = self.ffn(self.ffn_norm(h))
+    out = h + (self.post_ffw_norm(f) if post else f)
+    if hasattr(self, "inp_gate"):
+      if per_layer is None: raise ValueError("a block with per-layer embeddings needs its per-layer input")
+      out = out + self.post_norm(self.proj((self.inp_gate(out).gelu() * per_layer).contiguous()))
+    if hasattr(self, "layer_output_scale"): out = out * as_tensor(self.layer_output_scale.weight)
     # contiguous: one barrier per block keeps the residual stream materialised, so the scheduler partitions the graph
     # block by block instead of fusing across blocks (which explodes kernel count and recomputes norms)
-    return (h + (self.post_ffw_norm(f) if post else f)).contiguous()
+    return out.contiguous()
 
 class Transformer:
   """The deepseek2 and dense models (arch.Model): one cache row per position, so any cached prefix can be resumed."""
@@ -67,6 +80,9 @@ class Transformer:
     self.token_embd = Embedding(cfg.n_vocab, cfg.dim)
     if cfg.pos_embd: self.position_embd = Embedding(cfg.ctx_len, cfg.dim)
     self.blk = [Block(cfg, i) for i in range(cfg.n_layer)]
+    if P := cfg.per_layer_dim:  # gemma4: each layer's slice of a per-token embedding, mixed with a projection of the input
+      self.per_layer_token_embd = Embedding(cfg.n_vocab, cfg.n_layer * P)
+      self.per_layer_model_proj, self.per_layer_proj_norm = Linear(cfg.dim, cfg.n_layer * P), RMSNorm(P, cfg.norm_eps)
     self.output_norm = (LayerNorm if cfg.layer_norm else RMSNorm)(cfg.dim, cfg.norm_eps)
     self.output = Linear(cfg.dim, cfg.n_vocab)
 
@@ -89,7 +105,10 @@ class Transformer:
       w = model.position_embd.weight
       w = w.dequant(dtypes.float32) if isinstance(w, QTensor) else w.float()
       model.pos_rows = w.pad(((0, rows - cfg.ctx_len), None)).contiguous().realize()
-    model.rope_swa = rope_table(dataclasses.replace(cfg.rope, base=cfg.rope_base_swa), rows, device) if cfg.swa_layers else None
+    # the sliding-window layers: their own base (and gemma4's own rotated dims), never the global layers' linear scaling
+    # (llama.cpp's rope_freq_scale_train_swa stays 1 for gemma3/gemma4: Gemma 3 4B-27B files say factor 8 for the rest)
+    rope_swa = dataclasses.replace(cfg.rope, base=cfg.rope_base_swa, dim=cfg.rope_dim_swa or cfg.rope.dim, freq_scale=1.0)
+    model.rope_swa = rope_table(rope_swa, rows, device) if cfg.swa_layers else None
     for b in model.blk: b.attn.init_cache(rows, device, model.precision.cache)
     return model
 
@@ -101,10 +120,19 @@ class Transformer:
       x = self.token_embd(tokens)
       if self.cfg.embed_scale != 1.0: x = x * self.cfg.embed_scale
       if self.cfg.pos_embd: x = x + self.pos_rows[start_pos:start_pos + x.shape[1]].unsqueeze(0)
-      for b in self.blk: x = b(x, start_pos, self.rope_swa if b.swa else self.rope)
+      pl, kvs = self.per_layer_inputs(tokens, x) if self.cfg.per_layer_dim else None, {}
+      for i, b in enumerate(self.blk): x = b(x, start_pos, self.rope_swa if b.swa else self.rope, kvs, None if pl is None else pl[:, :, i])
       if last_only: x = x[:, -1:]
       if select is not None: x = (x * select).sum(1, keepdim=True)
       return self.head(x)
+
+  def per_layer_inputs(self, tokens: Tensor | UOp, x: Tensor) -> Tensor:
+    """gemma4: every layer's per-layer input `[B, T, n_layer, P]` from the token's row of per_layer_token_embd and a
+    normed projection of the scaled token embedding `x`, as llama.cpp's graph (and transformers) mix them."""
+    L, P, D = self.cfg.n_layer, self.cfg.per_layer_dim, self.cfg.dim
+    t = self.per_layer_token_embd(tokens) * math.sqrt(P)
+    p = self.per_layer_proj_norm((self.per_layer_model_proj(x) * (1 / math.sqrt(D))).reshape(*x.shape[:2], L, P))
+    return ((p + t.reshape(*x.shape[:2], L, P)) * (1 / math.sqrt(2))).contiguous()
 
   def head(self, x: Tensor) -> Tensor:
     logits = self.output(self.output_norm(x))
@@ -115,7 +143,7 @@ class Transformer:
   def cache_tensors(self) -> list[tuple[str, Tensor, int]]:
     """Every KV-cache tensor as (name, tensor, row axis): rows [0:n] along that axis are the state after n tokens, so a
     prefix can be saved and restored without knowing the attention class."""
-    return [(f"blk.{i}.attn.cache", b.attn.cache, 1) for i, b in enumerate(self.blk)]
+    return [(f"blk.{i}.attn.cache", b.attn.cache, 1) for i, b in enumerate(self.blk) if b.attn.cache is not None]
 
 def _rope_freqs(gf: GGUFFile, dim: int) -> np.ndarray | None:
   """The file's `rope_freqs.weight` (llama 3.1+: one divisor per rotated pair), or None."""
