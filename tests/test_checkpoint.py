@@ -1,7 +1,7 @@
 """Hugging Face checkpoint folders (tg_ds4/checkpoint.py, hf_tokenizer.py) against independent references: transformers'
-logits, greedy ids and tokenizations of the same folders (tests/fixtures/make_hf_fixtures.py), llama.cpp's converter's
-GGUF of the same DeepSeek-V3-style model (metadata and every tensor), gguf-py's quantizers and ggml's own Q4_K blocks
-(tests/fixtures/make_q4k_reference.py)."""
+logits, greedy ids, tokenizations, decodes and (gemma3) chat rendering of the same folders
+(tests/fixtures/make_hf_fixtures.py), llama.cpp's converter's GGUF of the same DeepSeek-V3-style and Gemma 3 models
+(metadata and every tensor), gguf-py's quantizers and ggml's own Q4_K blocks (tests/fixtures/make_q4k_reference.py)."""
 import hashlib, json, os, pathlib, struct, subprocess, sys
 
 import gguf
@@ -10,7 +10,9 @@ import pytest
 from gguf.quants import quantize
 from tinygrad import dtypes
 
+from tg_ds4.chat import Template
 from tg_ds4.checkpoint import Checkpoint, open_model
+from tg_ds4.config import ModelConfig
 from tg_ds4.gguf import GGUFError, GGUFFile
 from tg_ds4.kquant import Q4_K_BLOCK, quantize_blocks, quantize_q4_k
 from tg_ds4.runner import GREEDY, Runner
@@ -18,7 +20,7 @@ from tg_ds4.tokenizer import Tokenizer
 
 FIX = pathlib.Path(__file__).parent / "fixtures"
 HF = FIX / "hf"
-NAMES = ["llama", "llama3", "qwen2", "ds3"]
+NAMES = ["llama", "llama3", "qwen2", "gemma3", "ds3"]
 
 def ref(name: str) -> dict: return json.loads((HF / name / "reference.json").read_text())
 
@@ -34,6 +36,22 @@ def test_ds3_is_what_llama_cpps_converter_writes():
   split = {n for n in g.infos if n.endswith(("attn_k_b.weight", "attn_v_b.weight"))}
   assert set(g.infos) - split == set(c.infos) - {n for n in c.infos if n.endswith("attn_kv_b.weight")}
   for n in set(g.infos) - split:
+    np.testing.assert_array_equal(c.tensor(n).dequant(dtypes.float32).numpy(), g.tensor(n).dequant(dtypes.float32).numpy(), err_msg=n)
+
+def test_gemma3_is_what_llama_cpps_converter_writes():
+  """The gemma3 folder's model keys equal those of the converter's GGUF of it (sliding window, both RoPE bases, the
+  global layers' linear scaling, key/value length, the final softcap) and every tensor bit for bit: the 1 + w norms
+  (F32) included. Its vocab keys are not compared: for a folder without tokenizer.model the converter takes the
+  byte-level path, which a SentencePiece-style vocab is not (the tokenizer is checked against transformers instead)."""
+  c, g = Checkpoint(HF / "gemma3"), GGUFFile(HF / "gemma3" / "converter-BF16.gguf")
+  keys = [k for k in g.metadata if not k.startswith(("GGUF.", "general.", "tokenizer."))]
+  assert "gemma3.rope.freq_base_swa" in keys and "gemma3.rope.scaling.factor" in keys and "gemma3.attention.sliding_window" in keys
+  for k in keys:
+    v = g.metadata[k]
+    assert c.metadata.get(k) == (pytest.approx(v, rel=1e-6) if isinstance(v, float) else v), (k, v, c.metadata.get(k))
+  assert set(c.infos) == set(g.infos) and "blk.0.post_ffw_norm.weight" in c.infos and "output.weight" not in c.infos
+  for n, info in c.infos.items():
+    assert info.qtype.name == g.infos[n].qtype.name, n
     np.testing.assert_array_equal(c.tensor(n).dequant(dtypes.float32).numpy(), g.tensor(n).dequant(dtypes.float32).numpy(), err_msg=n)
 
 @pytest.mark.parametrize("name", NAMES)
@@ -52,7 +70,45 @@ def test_tokenizer_matches_transformers(name):
   assert tok.backend == "tokenizer.json"
   for case in ref(name)["tokenizations"]:
     assert tok.encode(case["text"], add_special=True, parse_special=True) == case["ids"], case["text"]
-    if "<" not in case["text"]: assert tok.decode(case["ids"]) == case["text"]
+    if "decoded" in case: assert tok.decode(case["ids"], skip_special=True) == case["decoded"], case["text"]
+    if "<" not in case["text"] and "\u2581" not in case["text"]: assert tok.decode(case["ids"], skip_special=True) == case["text"]
+
+def test_gemma3_chat_template_matches_transformers():
+  """Gemma 3's template (system turn folded into the first user turn, roles user/model, trimmed contents) renders as
+  transformers renders it, starting with <bos>, so encoding adds none and the ids are transformers' ids."""
+  c, want = Checkpoint(HF / "gemma3"), ref("gemma3")["chat"]
+  t, tok = Template.from_gguf(c), Tokenizer.from_gguf(c)
+  text = t.render(want["messages"])
+  assert text == want["text"] and text.startswith("<bos><start_of_turn>user\n")
+  assert tok.encode(text, add_special=t.encode_add_special(text), parse_special=True) == want["ids"]
+
+def _gemma3_variant(d: pathlib.Path, **changes) -> Checkpoint:
+  cfg = {**json.loads((HF / "gemma3" / "config.json").read_text()), **changes}
+  (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not ...}))
+  for f in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    if not (d / f).exists(): (d / f).symlink_to(HF / "gemma3" / f)
+  return Checkpoint(d)
+
+def test_gemma3_config_forms_and_layer_patterns(tmp_path):
+  """config.json as transformers 4.5x wrote Gemma 3's (rope_theta, rope_local_base_freq, rope_scaling,
+  sliding_window_pattern; no layer_types or rope_parameters) gives the same GGUF keys as transformers 5's form. The
+  converter writes no window pattern (llama.cpp: every 6th layer global); layer_types of another layout get llama.cpp's
+  per-layer pattern array, none sliding no window; what llama.cpp's gemma3 cannot compute is refused."""
+  new = Checkpoint(HF / "gemma3")
+  assert "gemma3.attention.sliding_window_pattern" not in new.metadata
+  assert ModelConfig.from_gguf(new).swa_layers == (True,) * 5 + (False,)
+  old = _gemma3_variant(tmp_path, rope_parameters=..., layer_types=..., _sliding_window_pattern=..., sliding_window_pattern=6,
+                        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, rope_scaling={"rope_type": "linear", "factor": 8.0})
+  model_keys = lambda c: {k: v for k, v in c.metadata.items() if k.startswith("gemma3.")}
+  assert model_keys(old) == model_keys(new)
+  alt = ["sliding_attention", "full_attention"] * 3
+  c = _gemma3_variant(tmp_path, layer_types=alt)
+  assert c.metadata["gemma3.attention.sliding_window_pattern"] == [True, False] * 3
+  assert ModelConfig.from_gguf(c).swa_layers == (True, False) * 3
+  c = _gemma3_variant(tmp_path, layer_types=["full_attention"] * 6)
+  assert "gemma3.attention.sliding_window" not in c.metadata and ModelConfig.from_gguf(c).swa_window == 0
+  with pytest.raises(GGUFError, match="query_pre_attn_scalar 256 differs from the 16"): _gemma3_variant(tmp_path, query_pre_attn_scalar=256)
+  with pytest.raises(GGUFError, match="attn_logit_softcapping"): _gemma3_variant(tmp_path, attn_logit_softcapping=50.0)
 
 @pytest.mark.parametrize("qtype,gets", [("q8_0", "Q8_0"), ("q4_0", "Q4_0"), ("q4_k", "Q5_0")])
 def test_quantize_at_load_is_gguf_pys_quantize(qtype, gets):

@@ -3,10 +3,13 @@
 
 `Checkpoint` has GGUFFile's interface: `metadata` holds the GGUF keys convert_hf_to_gguf.py derives from config.json
 and the tokenizer files, and `infos` / `tensor(name)` the tensors under their GGUF names, mapped by one table per
-architecture. The model code, its config and the tokenizer therefore never know where the weights came from. Tensors
-are read from the mmapped safetensors without a copy on the CPU where the file's bytes are the GGUF tensor as they
-are; three cases need a copy made at load: llama's q/k rows reordered for its interleaved RoPE (the converter's
-permute), a mixture of experts' per-expert matrices stacked into one `[E, out, in]` tensor, and quantization.
+architecture. The model code, its config and the tokenizer therefore never know where the weights came from.
+Architectures: llama, qwen2, deepseek2 (DeepSeek V2/V3) and gemma3 (Gemma3ForCausalLM, text only; its
+SentencePiece-style tokenizer.json included, see hf_tokenizer.py). Tensors are read from the mmapped safetensors
+without a copy on the CPU where the file's bytes are the GGUF tensor as they are; four cases need a copy made at load:
+llama's q/k rows reordered for its interleaved RoPE (the converter's permute), a mixture of experts' per-expert
+matrices stacked into one `[E, out, in]` tensor, Gemma 3's norm vectors (the converter stores 1 + w, the scale
+Gemma's RMSNorm applies, as F32), and quantization.
 
 `quantize="q8_0"|"q4_0"|"q4_k"` quantizes each matrix at load, one tensor at a time with reference quantizers: gguf-py's
 for q8_0 / q4_0 (so the blocks are bit for bit what `gguf.quants.quantize` makes of the same floats) and tg_ds4.kquant's
@@ -29,7 +32,8 @@ from tg_ds4.gguf import GGUFError, GGUFFile, TensorInfo
 from tg_ds4.quant import QTYPE_BY_NAME, QTensor
 
 # config.json "architectures"[0] -> GGUF architecture
-ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "DeepseekV2ForCausalLM": "deepseek2", "DeepseekV3ForCausalLM": "deepseek2"}
+ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "DeepseekV2ForCausalLM": "deepseek2", "DeepseekV3ForCausalLM": "deepseek2",
+         "Gemma3ForCausalLM": "gemma3"}
 QUANTIZE = ("q8_0", "q4_0", "q4_k")
 # the type a matrix gets when its rows are not whole blocks of the one asked for: llama.cpp's (llama-quant.cpp
 # tensor_type_fallback), so a q4_k load is the model its quantizer writes
@@ -56,7 +60,16 @@ _MLA_BLOCK = {
   "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight", "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
   "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
 }
-BLOCK_TABLES = {"llama": _DENSE_BLOCK, "qwen2": _DENSE_BLOCK, "deepseek2": _MLA_BLOCK}
+# gemma3's sandwich norms: post_attention_layernorm is the attention output's norm (the converter's ATTN_POST_NORM, as
+# the arch has no FFN_NORM), pre_feedforward_layernorm the FFN input's
+_GEMMA3_BLOCK = {
+  "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+  "pre_feedforward_layernorm.weight": "ffn_norm.weight", "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+  "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+  "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+  "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+}
+BLOCK_TABLES = {"llama": _DENSE_BLOCK, "qwen2": _DENSE_BLOCK, "deepseek2": _MLA_BLOCK, "gemma3": _GEMMA3_BLOCK}
 # routed experts, stacked along a new first axis: HF `mlp.experts.{e}.<proj>` -> GGUF blk.{i}.<name>
 EXPERT_TABLE = {"gate_proj.weight": "ffn_gate_exps.weight", "up_proj.weight": "ffn_up_exps.weight", "down_proj.weight": "ffn_down_exps.weight"}
 
@@ -139,8 +152,58 @@ def _rope_metadata(arch: str, cfg: dict) -> dict[str, Any]:
     if arch == "deepseek2": out[f"{arch}.rope.scaling.yarn_log_multiplier"] = 0.1 * float(rp.get("mscale_all_dim", 0.0))
   return out
 
+def gemma3_layer_types(cfg: dict) -> list[bool]:
+  """Per layer, whether it is a sliding-window one: config.json's layer_types, else transformers' rule for configs
+  without them (every `sliding_window_pattern`-th layer global, 6 by default)."""
+  n, types = int(cfg["num_hidden_layers"]), cfg.get("layer_types")
+  if types is None:
+    pat = int(cfg.get("sliding_window_pattern") or 6)
+    return [bool((i + 1) % pat) for i in range(n)]
+  if len(types) != n or not set(types) <= {"sliding_attention", "full_attention"}:
+    raise GGUFError(f"config.json: layer_types {types!r} is not one of sliding_attention / full_attention per layer ({n} layers)")
+  return [t == "sliding_attention" for t in types]
+
+def _gemma3_metadata(cfg: dict) -> dict[str, Any]:
+  """The converter's Gemma3Model.set_gguf_parameters, on config.json as transformers reads it: the global layers' RoPE
+  (base and scaling) from rope_parameters' full_attention (or the older rope_theta / rope_scaling), the sliding
+  layers' base from its sliding_attention (or rope_local_base_freq; transformers' default 10000 when neither is
+  given, which the converter sees through AutoConfig), key/value length head_dim, the sliding window. The converter
+  writes no window pattern: llama.cpp takes every 6th layer as global, the layout of every released Gemma 3. A config
+  whose layer_types differ gets llama.cpp's per-layer `sliding_window_pattern` array (no window at all when no layer
+  slides), so the model is transformers' where the converter's file would not be. llama.cpp scales q by
+  1/sqrt(head_dim) (1/sqrt(dim / n_head) for the 62-layer 27B) where transformers uses query_pre_attn_scalar: equal
+  for the released models; a config where they differ, or with attention logit softcapping (which the converter
+  refuses), is refused. The converter also cuts token_embd to len(vocab) + len(added_tokens) of tokenizer.json rows:
+  no cut where the vocab holds the added tokens too, as Gemma's does, so it is not reproduced."""
+  a, g = "gemma3", cfg.get
+  dim, n_head, n_layer = int(cfg["hidden_size"]), int(g("num_attention_heads") or 8), int(cfg["num_hidden_layers"])
+  head_dim = int(g("head_dim") or 256)
+  if g("attn_logit_softcapping") is not None:
+    raise GGUFError("config.json: attn_logit_softcapping is set; Gemma 3 has none and llama.cpp's gemma3 cannot apply it")
+  scale_dim = dim / n_head if n_layer == 62 else head_dim
+  if (q := g("query_pre_attn_scalar")) is not None and float(q) != scale_dim:
+    raise GGUFError(f"config.json: query_pre_attn_scalar {q} differs from the {scale_dim:g} llama.cpp's gemma3 scales q by "
+                    f"({'hidden_size / num_attention_heads for 62 layers' if n_layer == 62 else 'head_dim'})")
+  rp = g("rope_parameters") or g("rope_scaling") or {}
+  full, local = rp.get("full_attention", rp), rp.get("sliding_attention") or {}
+  md: dict[str, Any] = {
+    "general.architecture": a, f"{a}.block_count": n_layer, f"{a}.context_length": int(g("max_position_embeddings") or 131072),
+    f"{a}.embedding_length": dim, f"{a}.feed_forward_length": int(cfg["intermediate_size"]), f"{a}.attention.head_count": n_head,
+    f"{a}.attention.head_count_kv": int(g("num_key_value_heads") or 4), f"{a}.attention.layer_norm_rms_epsilon": float(g("rms_norm_eps") or 1e-6),
+    f"{a}.attention.key_length": head_dim, f"{a}.attention.value_length": head_dim, f"{a}.vocab_size": int(cfg["vocab_size"]),
+    **_rope_metadata(a, {"rope_parameters": {**full, "rope_theta": float(full.get("rope_theta", g("rope_theta") or 1_000_000.0))}}),
+    f"{a}.rope.freq_base_swa": float(local.get("rope_theta", g("rope_local_base_freq") or 10000.0))}
+  if g("final_logit_softcapping"): md[f"{a}.final_logit_softcapping"] = float(cfg["final_logit_softcapping"])
+  swa = gemma3_layer_types(cfg)
+  if any(swa):
+    if not isinstance(w := g("sliding_window"), int) or w <= 0: raise GGUFError(f"config.json: layers slide but sliding_window is {w!r}")
+    md[f"{a}.attention.sliding_window"] = w
+    if swa != [i % 6 < 5 for i in range(n_layer)]: md[f"{a}.attention.sliding_window_pattern"] = swa
+  return md
+
 def model_metadata(arch: str, cfg: dict) -> dict[str, Any]:
   """The GGUF model keys convert_hf_to_gguf.py writes for `cfg` (config.json)."""
+  if arch == "gemma3": return _gemma3_metadata(cfg)
   a, g = arch, cfg.get
   md: dict[str, Any] = {
     "general.architecture": a, f"{a}.block_count": int(cfg["num_hidden_layers"]), f"{a}.context_length": int(g("max_position_embeddings", 4096)),
@@ -214,8 +277,9 @@ class Checkpoint:
     n_layer, table = int(self.config["num_hidden_layers"]), BLOCK_TABLES[arch]
     self.parts: dict[str, tuple[str, list[Source]]] = {}
     experts: dict[str, dict[int, Source]] = {}
+    shift = lambda hf_name: arch == "gemma3" and hf_name.endswith("norm.weight")  # the converter's Gemma3Model.norm_shift
     for name, s in sources.items():
-      if (gname := _GLOBAL.get(name)) is not None: self.parts[gname] = ("plain", [s]); continue
+      if (gname := _GLOBAL.get(name)) is not None: self.parts[gname] = ("shift" if shift(name) else "plain", [s]); continue
       m = _LAYER_RE.match(name)
       if m is None: raise GGUFError(f"{s.path}: tensor {name!r} has no GGUF name for {arch}")
       i, rest = int(m.group(1)), m.group(2)
@@ -225,7 +289,7 @@ class Checkpoint:
         continue
       if rest not in table: raise GGUFError(f"{s.path}: tensor {name!r} has no GGUF name for {arch}")
       how = "permute_q" if arch == "llama" and rest == "self_attn.q_proj.weight" else \
-            "permute_k" if arch == "llama" and rest == "self_attn.k_proj.weight" else "plain"
+            "permute_k" if arch == "llama" and rest == "self_attn.k_proj.weight" else "shift" if shift(name) else "plain"
       self.parts[f"blk.{i}.{table[rest]}"] = (how, [s])
     n_exp = int(self.config.get("n_routed_experts") or 0)
     for gname, by_e in experts.items():
@@ -241,7 +305,7 @@ class Checkpoint:
     for gname, (how, srcs) in self.parts.items():
       if how == "generated": continue
       shape = (len(srcs), *srcs[0].shape) if how == "stack" else srcs[0].shape
-      qt = QTYPE_BY_NAME[self._qtype(gname, shape, srcs[0].dtype)]
+      qt = QTYPE_BY_NAME["F32" if how == "shift" else self._qtype(gname, shape, srcs[0].dtype)]
       nbytes = int(np.prod(shape[:-1], dtype=np.int64)) * (shape[-1] // qt.block) * qt.nbytes
       self.infos[gname] = TensorInfo(gname, qt, shape, srcs[0].path, srcs[0].offset, nbytes)
 
@@ -290,6 +354,10 @@ class Checkpoint:
     if how == "stack": return np.stack([self._read(s) for s in srcs])
     a = self._read(srcs[0])
     if how == "plain": return a
+    if how == "shift":  # Gemma's norm weights w as the 1 + w its RMSNorm multiplies by, in the converter's arithmetic:
+      # float32 (bfloat16 widened first), float16 in float16 (the converter adds in the tensor's own type), stored F32
+      if srcs[0].dtype == "BF16": a = (a.astype(np.uint32) << 16).view(np.float32)
+      return (a + a.dtype.type(1)).astype(np.float32)
     heads = self.config["num_attention_heads"] if how == "permute_q" else self.config.get("num_key_value_heads") or self.config["num_attention_heads"]
     return _permute_heads(a, int(heads))
 
@@ -319,7 +387,8 @@ class Checkpoint:
     whole, a big head would cost ~3x its float size, ~10x with Q4_K's) and for stacked experts one expert at a time.
     Blocks never span rows, so this is bit for bit the quantization of the whole tensor."""
     how, srcs = self.parts[name]
-    if how == "generated" or info.qtype.name == srcs[0].dtype: return np.ascontiguousarray(self.host_array(name)).view(np.uint8).reshape(-1)
+    if how in ("generated", "shift") or info.qtype.name == srcs[0].dtype:
+      return np.ascontiguousarray(self.host_array(name)).view(np.uint8).reshape(-1)
     import gguf
     from gguf.quants import quantize as gguf_quantize
     from tg_ds4.kquant import quantize_q4_k

@@ -282,7 +282,8 @@ class Tokenizer:
     if model not in ("llama", "gpt2", "gemma4"):
       raise ValueError(f"tokenizer.ggml.model {model!r} is not supported (supported: 'llama' (SPM), 'gpt2' (BPE), 'gemma4')")
     self.spm = model == "llama"
-    pre = self.pre = "gemma4" if model == "gemma4" else (g("pre") or "default") if not self.spm else "default"
+    # pre "hf": a checkpoint folder's tokenizer.json runs (hf_tokenizer.py), for a byte-level vocab or an SPM one (Gemma's)
+    pre = self.pre = "gemma4" if model == "gemma4" else (g("pre") or "default") if not self.spm or g("pre") == "hf" else "default"
     tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(g("tokens") or [])]
     if not tokens: raise ValueError("tokenizer.ggml.tokens is missing or empty")
     n = self.vocab_size = len(tokens)
@@ -336,7 +337,7 @@ class Tokenizer:
     self._pieces: dict[int, bytes] = {}
     self._cache: dict[str, list[int]] = {}
 
-    if self.spm:
+    if self.spm and self._hf_pipeline is None:
       # a cut before "▁" is safe where no vocab token contains (previous char + "▁"): no merge can ever span it
       before = {t[k-1] for t in tokens for k in range(1, len(t)) if t[k] == "\u2581"}
       self._spm_cut = re.compile(f"(?<=[^{re.escape(''.join(sorted(before)))}])(?=\u2581)" if before else "(?=\u2581)")
@@ -446,7 +447,7 @@ class Tokenizer:
     prev_special = True  # SPM: a space is prefixed to the first text and to text right after a special token
     for frag in self._partition(text, parse_special):
       if isinstance(frag, int): out.append(frag); prev_special = True; continue
-      if self.spm:
+      if self.spm and self._hf_pipeline is None:
         self._spm(((" " if self.add_space_prefix and prev_special else "") + frag).replace(" ", "\u2581"), out)
         prev_special = False
       else: self._bpe(frag.replace(" ", "\u2581") if self.escape_whitespaces else frag, out)
