@@ -5,13 +5,14 @@ converted by llama.cpp's converter; "ple" has every feature, "plain" none of the
 transformers in float64 on each file's gguf-py-dequantized weights. Exact mode over the prompt and the continuation,
 the engine path (a captured 32-token chunk, then per-token steps: the shared-KV layers read caches written in the same
 captured step), greedy generation, the tokenizer, and llama.cpp's own logits with its activation rounding."""
-import functools, json, pathlib
+import json, pathlib
 
 import gguf
 import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
+from family import assert_matches_transformers, llama_cpp_rounded
 from tg_ds4.gguf import GGUFError, GGUFFile
 from tg_ds4.runner import Runner
 from tg_ds4.tokenizer import Tokenizer
@@ -21,25 +22,9 @@ MAN = json.loads((ROOT / "manifest.json").read_text())
 IDS = MAN["token_ids"]
 FILES = [(m, q) for m, spec in MAN["models"].items() for q in spec["ggufs"]]
 
-def rel(a, b) -> float: return float(np.abs(a - b).max() / np.abs(b).max())
-
-@functools.cache
-def run(m: str, q: str) -> dict:
-  g = MAN["models"][m]["ggufs"][q]
-  seq, r = IDS + g["hf_greedy_ids"][:-1], Runner.load(ROOT / g["file"], max_ctx=64)
-  K = r.chunked(len(IDS))
-  assert r._plan(len(IDS), 12) == ([32], 8) and K == 32  # a chunk, then 8 prompt tokens through the per-token step
-  return {"prefill": r.prefill(seq, chunk=len(seq)).numpy()[0], "engine": r.engine_logits(seq, prefill_tokens=K), "K": K,
-          "greedy": list(r.generate(IDS, MAN["n_gen"]))}
-
 @pytest.mark.parametrize("m,q", FILES)
 def test_gemma4_matches_transformers(m, q):
-  g, r = MAN["models"][m]["ggufs"][q], run(m, q)
-  ref = np.load(ROOT / g["logits"])
-  print(f"\ngemma4 {m} {q}: exact mode {rel(r['prefill'], ref):.1e}, engine rows {r['K'] - 1}.. {rel(r['engine'], ref[r['K'] - 1:]):.1e} "
-        f"(transformers float32: {g['hf_float32_vs_float64_rel']:.1e}; llama.cpp: {g['llama_vs_hf_prompt_rel']:.1e})")
-  assert rel(r["prefill"], ref) <= 2e-5 and rel(r["engine"], ref[r["K"] - 1:]) <= 2e-5
-  assert r["greedy"] == g["hf_greedy_ids"] and min(g["hf_greedy_top2_margin"]) > 1e-2
+  assert_matches_transformers(f"gemma4 {m} {q}", ROOT, MAN["models"][m]["ggufs"][q], IDS)
 
 def test_gemma4_q8_0_matches_llama_cpp_rounding():
   """llama.cpp's Q8_0 run is 0.17 of max|logit| from transformers on the same weights: its activations are rounded to
@@ -48,13 +33,12 @@ def test_gemma4_q8_0_matches_llama_cpp_rounding():
   rounding boundary (float32 sums in another order) and this chaotic tiny model amplifies it to 0.6% and 1.4% of
   max|logit|, still 10x closer than without the rounding. The greedy continuation is llama.cpp's own."""
   g = MAN["models"]["ple"]["ggufs"]["Q8_0"]
-  r = Runner.load(ROOT / g["file"], max_ctx=64, llama_cpp_activations=True)
-  got, lcp = r.prefill(IDS, chunk=len(IDS)).numpy()[0], np.load(ROOT / g["llama_logits"])
+  (got, greedy), lcp = llama_cpp_rounded(ROOT, g, IDS, MAN["n_gen"]), np.load(ROOT / g["llama_logits"])
   rows = np.abs(got - lcp).max(-1) / np.abs(lcp).max()
   print(f"\ngemma4 ple Q8_0 with llama.cpp rounding: {int((rows <= 2e-5).sum())} of {len(rows)} rows within 2e-5 of llama.cpp, "
         f"all within {rows.max():.1e} (llama.cpp is {g['llama_vs_hf_prompt_rel']:.1e} from transformers)")
   assert (rows <= 2e-5).mean() >= 0.9 and rows.max() <= 0.02 < g["llama_vs_hf_prompt_rel"] / 5
-  assert list(r.generate(IDS, MAN["n_gen"])) == g["llama_greedy_ids"]
+  assert greedy == g["llama_greedy_ids"]
 
 def test_gemma4_tokenizer_matches_transformers():
   tok = Tokenizer(GGUFFile(ROOT / MAN["models"]["ple"]["ggufs"]["F32"]["file"]))
