@@ -19,6 +19,19 @@ def test_hermes_single_and_parallel():
   two = '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "b", "arguments": {"x": [1, {"y": null}]}}\n</tool_call>'
   assert calls(two) == ([("a", {}, False), ("b", {"x": [1, {"y": None}]}, False)], "", [])
 
+def test_glm_calls():
+  """GLM's markup (GLM-4.5 .. 5): the name, then key/value pairs; strings raw, other values as JSON."""
+  one = ('Checking.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>'
+         '<arg_key>days</arg_key><arg_value>2</arg_value></tool_call>')
+  assert calls(one) == ([("get_weather", {"city": "Paris", "days": 2}, False)], "Checking.", [])
+  two = ('<tool_call>a</tool_call>\n<tool_call>b<arg_key>x</arg_key><arg_value>[1, {"y": null}]</arg_value>'
+         '<arg_key>s</arg_key><arg_value>two words\nand a line</arg_value></tool_call>')
+  assert calls(two) == ([("a", {}, False), ("b", {"x": [1, {"y": None}], "s": "two words\nand a line"}, False)], "", [])
+  cut = '<tool_call>search<arg_key>query</arg_key><arg_value>tinygrad kern'
+  assert calls(cut) == ([("search", {"query": "tinygrad kern"}, True)], "", [])
+  bad = calls('<tool_call><arg_key>k</arg_key><arg_value>v</arg_value></tool_call>')
+  assert bad[0] == [] and "no function name" in bad[2][0]
+
 def test_hermes_string_arguments_and_parameters_key():
   assert calls('<tool_call>{"name": "f", "arguments": "{\\"q\\": 1}"}</tool_call>')[0] == [("f", {"q": 1}, False)]
   assert calls('<tool_call>{"name": "f", "parameters": {"q": 1}}</tool_call>')[0] == [("f", {"q": 1}, False)]
@@ -37,7 +50,8 @@ def test_malformed_is_reported_and_kept_as_text(bad):
   assert got == [] and len(errors) == 1 and content == "before " + bad + " after"
 
 def test_one_bad_call_does_not_lose_the_good_one():
-  got, content, errors = calls('<tool_call>{"name": "ok", "arguments": {}}</tool_call><tool_call>oops</tool_call>')
+  # (`<tool_call>oops</tool_call>` would be GLM's call of a function "oops" without arguments)
+  got, content, errors = calls('<tool_call>{"name": "ok", "arguments": {}}</tool_call><tool_call>{oops</tool_call>')
   assert [g[0] for g in got] == ["ok"] and len(errors) == 1 and "oops" in content
 
 DS_V3 = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"location": "Tokyo"}\n```<｜tool▁call▁end｜>'

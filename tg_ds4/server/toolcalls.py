@@ -2,6 +2,9 @@
 - qwen2.5 / Hermes: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, repeated;
 - DeepSeek V3: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>...`,
   and V3.1's `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`;
+- GLM (4.5 .. 5, GLM-4.7-Flash): `<tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>...</tool_call>`, strings as
+  they are and other values as JSON (the template's `tojson` for non-strings), so a value that reads as JSON is taken
+  as that JSON (a string argument "42" comes back as 42: the markup cannot tell them apart without the tool's schema);
 - DeepSeek DSML (V3.2 / V4): `<｜DSML｜function_calls><｜DSML｜invoke name="NAME"><｜DSML｜parameter name="P" string="true">v
   </｜DSML｜parameter>...</｜DSML｜invoke></｜DSML｜function_calls>`.
 Output cut short (max_tokens) or slightly malformed is repaired when the repair is unambiguous (close open strings and
@@ -67,6 +70,7 @@ def _args(text: str) -> tuple[dict, bool]:
   return value, repaired
 
 def _hermes(body: str, closed: bool) -> ToolCall:
+  if not body.lstrip().startswith("{"): return _glm(body, closed)  # the same <tool_call> markers, GLM's XML-ish body
   obj, repaired = repair_json(body)
   if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]: raise ValueError("no function name")
   args = obj.get("arguments", obj.get("parameters", {}))
@@ -85,6 +89,19 @@ def _deepseek(body: str, closed: bool) -> ToolCall:
   if not (name := name.strip()): raise ValueError("no function name")
   args, repaired = _args(rest)
   return ToolCall(name, args, repaired=repaired or not closed)
+
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)(?:</arg_value>|$)", re.S)
+
+def _glm(body: str, closed: bool) -> ToolCall:
+  name, _, rest = body.partition("<arg_key>")
+  if not re.fullmatch(r"[A-Za-z_][\w.\-]*", name := name.strip()): raise ValueError("no function name")
+  args, repaired = {}, not closed
+  for am in _GLM_ARG.finditer("<arg_key>" + rest if rest else ""):
+    key, value = am.group(1).strip(), am.group(2)
+    if not am.group(0).endswith("</arg_value>"): repaired = True
+    try: args[key] = json.loads(value)
+    except ValueError: args[key] = value
+  return ToolCall(name, args, repaired=repaired)
 
 _PARAM = re.compile(rf'<{DSML}parameter\s+name="([^"]*)"(?:\s+string="(true|false)")?\s*>(.*?)(?:</{DSML}parameter>|$)', re.S)
 
