@@ -1,10 +1,14 @@
-"""What the small families' reference tests (gpt2, bitnet, qwen3, gemma4) share: one engine run of a fixture file
-(exact mode over the prompt and the reference's continuation, the engine path, greedy generation) and the comparisons
-of that run with transformers' logits and with llama.cpp's own (activation-rounded) run."""
-import functools, pathlib
+"""What the reference tests share: one engine run of a small family's fixture file (exact mode over the prompt and the
+reference's continuation, the engine path, greedy generation) and its comparisons with transformers' logits and with
+llama.cpp's own (activation-rounded) run; a model's dequantized twin; what counts as a clear greedy choice."""
+import functools, os, pathlib
 
+import gguf
 import numpy as np
+from tinygrad import Tensor
 
+from tg_ds4.layers import packed_weights
+from tg_ds4.model import Transformer
 from tg_ds4.runner import Runner
 
 def rel(a, b) -> float: return float(np.abs(a - b).max() / np.abs(b).max())
@@ -33,3 +37,27 @@ def llama_cpp_rounded(root: pathlib.Path, g: dict, prompt: list[int], n_gen: int
   """The engine with llama.cpp's activation rounding on the fixture entry `g`: (prompt logits, greedy continuation)."""
   r = Runner.load(root / g["file"], max_ctx=64, llama_cpp_activations=True)
   return r.prefill(prompt, chunk=len(prompt)).numpy()[0], list(r.generate(prompt, n_gen))
+
+def dequantized_twin(m: Transformer) -> Transformer:
+  """Replace every packed weight of `m` by gguf-py's own dequantization of its bytes (plain float32 tensors)."""
+  for owner, k, v in list(packed_weights(m)):
+    raw = v.blocks.numpy().reshape(*v.shape[:-1], -1)
+    val = Tensor(np.ascontiguousarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(v.qtype.id)), dtype=np.float32))
+    if isinstance(owner, list): owner[k] = val
+    else: setattr(owner, k, val)
+  return m
+
+def file_formats(path, max_ctx: int = 64) -> Transformer:
+  """The model with the file's own packed formats (no CPU widening, `backend/cpu/widen.py`), for gguf-py to dequantize."""
+  old = os.environ.get("TG_DS4_WIDEN")
+  os.environ["TG_DS4_WIDEN"] = "0"
+  try: return Runner.load(path, max_ctx=max_ctx)
+  finally:
+    if old is None: del os.environ["TG_DS4_WIDEN"]
+    else: os.environ["TG_DS4_WIDEN"] = old
+
+NEAR_TIE = 0.01
+
+def clear_prefix(margins: list[float]) -> int:
+  """Number of leading greedy steps whose top-2 margin is clear of NEAR_TIE."""
+  return next((i for i, m in enumerate(margins) if m < NEAR_TIE), len(margins))

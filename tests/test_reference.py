@@ -6,16 +6,13 @@ llama.cpp rounds activations to 8 bits inside quantized matmuls, so on quantized
 exact fp32 math (more where that flips an expert or a greedy near-tie). tg_ds4's default exact math is held to hfdq
 tightly; for the comparison with llama.cpp the model is built with `llama_cpp_activations=True`, which rounds matmul
 inputs exactly as llama.cpp does (tg_ds4/actquant.py)."""
-import functools, json, os, pathlib
+import functools, json, pathlib
 
-import gguf
 import numpy as np
 import pytest
-from tinygrad import Tensor
 
+from family import NEAR_TIE, clear_prefix, dequantized_twin, file_formats
 from tg_ds4.runner import FEED_TOKENS, Runner
-from tg_ds4.layers import packed_weights
-from tg_ds4.model import Transformer
 
 ROOT = pathlib.Path(__file__).parent / "fixtures" / "deepseek2"
 FAMILIES = ["ds2lite", "ds3", "ds3k", "glm", "youtu"]  # a missing manifest fails the run (never a silently smaller suite)
@@ -28,24 +25,6 @@ F32_FILES = [fq for fq in FILES if fq[1] == "F32"]
 QUANT_FILES = [fq for fq in FILES if fq[1] != "F32"]
 
 def rel(a, b) -> float: return float(np.abs(a - b).max() / np.abs(b).max())
-
-def dequantized_twin(m: Transformer) -> Transformer:
-  """Replace every packed weight of `m` by gguf-py's own dequantization of its bytes (plain float32 tensors)."""
-  for owner, k, v in list(packed_weights(m)):
-    raw = v.blocks.numpy().reshape(*v.shape[:-1], -1)
-    val = Tensor(np.ascontiguousarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(v.qtype.id)), dtype=np.float32))
-    if isinstance(owner, list): owner[k] = val
-    else: setattr(owner, k, val)
-  return m
-
-def file_formats(path) -> Transformer:
-  """The model with the file's own packed formats (no CPU widening, `backend/cpu/widen.py`), for gguf-py to dequantize."""
-  old = os.environ.get("TG_DS4_WIDEN")
-  os.environ["TG_DS4_WIDEN"] = "0"
-  try: return Runner.load(path, max_ctx=64)
-  finally:
-    if old is None: del os.environ["TG_DS4_WIDEN"]
-    else: os.environ["TG_DS4_WIDEN"] = old
 
 @functools.cache
 def run(fam: str, q: str, twin: bool = False, llama_cpp: bool = False) -> dict:
@@ -162,12 +141,6 @@ def test_quantized_matches_transformers_on_same_weights(fam, q):
 # activation rounding, a difference in float summation order alone (same math) flips single roundings and moves
 # logits by 0.03-0.1 (test_rounding_noise_exceeds_near_tie); no engine that does not reproduce llama.cpp's exact
 # summation order can be held to a choice closer than that. models_and_peers.md section 5 prescribes the same rule.
-NEAR_TIE = 0.01
-
-def clear_prefix(margins: list[float]) -> int:
-  """Number of leading greedy steps whose top-2 margin is clear of NEAR_TIE."""
-  return next((i for i, m in enumerate(margins) if m < NEAR_TIE), len(margins))
-
 @pytest.mark.parametrize("fam,q", QUANT_FILES)
 def test_quantized_vs_llama_cpp(fam, q):
   """With llama.cpp's activation rounding: top-1 equal to llama.cpp's own run of the file on >= 95% of the prompt

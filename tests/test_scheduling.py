@@ -1,6 +1,6 @@
 """Kernel budgets per block kind and backend (scheduling/budgets.toml), counted by scheduling/count.py in a subprocess
 (nothing runs): decode and prefill chunk on DEV=NULL for the CPU, decode lowered for CUDA (NVRTC), Metal and WebGPU, on the
-deepseek2, deepseek4, gpt2, bitnet and gemma4 fixtures and the real dense models; and no block may read a dequantized copy of its weights."""
+deepseek2, deepseek4, DSA, gpt2, bitnet and gemma4 fixtures and the real dense models; and no block may read a dequantized copy of its weights."""
 import json, os, pathlib, subprocess, sys, tomllib
 
 import pytest
@@ -13,18 +13,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BUDGETS = tomllib.loads((ROOT / "scheduling" / "budgets.toml").read_text())
 FIXTURES = ["deepseek2/ds2lite/ds2lite-Q4_0.gguf", "deepseek2/ds3/ds3-Q4_0.gguf", "deepseek2/glm/glm-Q8_0.gguf", "deepseek2/youtu/youtu-Q8_0.gguf",
             "deepseek2/ds3k/ds3k-Q4_K_M.gguf", "deepseek4/flash/flash-MXFP4.gguf", "deepseek4/flash/flash-IQ2_XXS.gguf",
-            "gpt2/gpt2-Q8_0.gguf", "bitnet/bitnet-TQ1_0.gguf", "gemma4/gemma4-ple-Q8_0.gguf", "gemma4/gemma4-plain-F32.gguf"]
+            "gpt2/gpt2-Q8_0.gguf", "bitnet/bitnet-TQ1_0.gguf", "gemma4/gemma4-ple-Q8_0.gguf", "gemma4/gemma4-plain-F32.gguf",
+            "dsa/ds32/ds32-Q8_0.gguf", "dsa/glmdsa/glmdsa-Q8_0.gguf"]
 # realistic dims only, and the ternary file (its TQ1_0 base-3 unpack must stay in the GEMV too)
 BYTES_FILES = {"ds3k-Q4_K_M.gguf", "SmolLM2-135M-Instruct.Q4_1.gguf", "gemma-3-270m-q4_k_m.gguf", "bitnet-TQ1_0.gguf"}
 
 # run -> (budget backend, DEV, steps, files): decode on every file; for the GPUs every family (deepseek2's five,
-# deepseek4, gpt2, bitnet, gemma4, gemma3, qwen2); the prefill chunk (lowering ~70 s for all files) on one file of each block kind, the
+# deepseek4, DSA, gpt2, bitnet, gemma4, gemma3, qwen2); the prefill chunk (lowering ~70 s for all files) on one file of each block kind, the
 # V4 one the IQ2_XXS file, whose chunk has the most kernels
 FILES = [str(ROOT / "tests" / "fixtures" / f) for f in FIXTURES]
 REAL = {m: str(resolve(m)) for m in ("smollm2", "gemma3-270m", "qwen2.5-coder-0.5b")}
 GPU_FILES = [f for f in FILES if not f.endswith("flash-IQ2_XXS.gguf")] + [REAL["gemma3-270m"], REAL["qwen2.5-coder-0.5b"]]
 PREFILL_FILES = [f for f in FILES if f.endswith(("ds3-Q4_0.gguf", "flash-IQ2_XXS.gguf", "gpt2-Q8_0.gguf", "bitnet-TQ1_0.gguf", "gemma4-ple-Q8_0.gguf",
-                                                 "gemma4-plain-F32.gguf"))] + \
+                                                 "gemma4-plain-F32.gguf", "ds32-Q8_0.gguf", "glmdsa-Q8_0.gguf"))] + \
   [REAL["smollm2"], REAL["gemma3-270m"]]
 TARGETS = {"CPU": ("CPU", "NULL", "decode", FILES + [REAL["smollm2"], REAL["gemma3-270m"]]),
            "CPU-prefill": ("CPU", "NULL", "prefill", PREFILL_FILES),
@@ -66,7 +67,7 @@ def test_kernel_budgets(run):
     print(f"\n{backend} {step} {kind}: max {max(r[step][kind]['kernels'] for r in counts(run).values() if kind in r[step])}"
           f" (budget {BUDGETS[step][kind][backend]})", end="")
   kinds = ("MLA dense", "MLA MoE", "GQA dense", "GQA dense sandwich SWA", "GQA dense layernorm", "GQA dense sub-norm",
-           "GQA dense sandwich V-norm SWA PLE shared-KV", "DS4 SWA hash-MoE",
+           "GQA dense sandwich V-norm SWA PLE shared-KV", "MLA MoE DSA", "MLA MoE DSA-shared", "DS4 SWA hash-MoE",
            "DS4 CSA MoE", "DS4 HCA MoE")
   assert {(steps, k) for k in kinds} <= seen
 

@@ -49,7 +49,8 @@ class Arch:
 _DEEPSEEK2_AND_DENSE = Arch(ModelConfig, Transformer)
 ARCHS: dict[str, Arch] = {"deepseek2": _DEEPSEEK2_AND_DENSE, "llama": _DEEPSEEK2_AND_DENSE, "qwen2": _DEEPSEEK2_AND_DENSE,
                           "qwen3": _DEEPSEEK2_AND_DENSE, "gemma3": _DEEPSEEK2_AND_DENSE, "gpt2": _DEEPSEEK2_AND_DENSE,
-                          "bitnet": _DEEPSEEK2_AND_DENSE, "gemma4": _DEEPSEEK2_AND_DENSE,
+                          "bitnet": _DEEPSEEK2_AND_DENSE, "gemma4": _DEEPSEEK2_AND_DENSE, "deepseek32": _DEEPSEEK2_AND_DENSE,
+                          "glm-dsa": _DEEPSEEK2_AND_DENSE,
                           "deepseek4": Arch(DS4Config, DS4Transformer)}
 
 def config_of(gf: GGUFFile) -> Any:

@@ -19,7 +19,8 @@ class RopeType(IntEnum):
   NORM = 0  # rotate adjacent pairs (x[2i], x[2i+1]): llama.cpp's deepseek2 and llama GGUFs
   NEOX = 2  # rotate halves (x[i], x[i+d/2]): qwen2, qwen3, gemma3
 
-ROPE_TYPE = {"deepseek2": RopeType.NORM, "llama": RopeType.NORM, "qwen2": RopeType.NEOX, "qwen3": RopeType.NEOX, "gemma3": RopeType.NEOX,
+ROPE_TYPE = {"deepseek2": RopeType.NORM, "deepseek32": RopeType.NORM, "glm-dsa": RopeType.NORM,
+             "llama": RopeType.NORM, "qwen2": RopeType.NEOX, "qwen3": RopeType.NEOX, "gemma3": RopeType.NEOX,
              "gemma4": RopeType.NEOX, "gpt2": RopeType.NORM, "bitnet": RopeType.NEOX}  # gpt2: learned absolute positions, no rotation (rope dim 0)
 SUPPORTED_ARCHS = tuple(ROPE_TYPE)
 SCALED_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")  # bitnet's optional `.scale`s
@@ -101,6 +102,13 @@ class ModelConfig:
   n_kv_shared: int = 0             # the last n layers own no KV and attend over an earlier layer's (kv_source)
   per_layer_dim: int = 0           # per-layer embedding width (`per_layer_token_embd`, each block's `inp_gate`/`proj`)
   layer_output_scale: bool = False  # each block's output times its `layer_output_scale`
+  # DeepSeek sparse attention (deepseek32, glm-dsa): a lightning indexer picks the cached rows each query attends
+  idx_n_head: int = 0
+  idx_head_dim: int = 0
+  idx_top_k: int = 0               # 0: no indexer
+  idx_rope: RopeType = RopeType.NEOX  # the indexer's rotation of its first rope.dim dims: NEOX deepseek32, NORM glm-dsa
+  idx_norm_eps: float = 0.0        # its key LayerNorm's eps, fixed in llama.cpp's code: 1e-6 deepseek32, never set (0) glm-dsa
+  idx_full: tuple[bool, ...] = ()  # per layer: its own indexer (True) or the previous full layer's selection (glm-dsa "shared")
 
   @property
   def mla(self) -> bool: return self.kv_lora_rank > 0
@@ -164,7 +172,9 @@ class ModelConfig:
     attn_factor *= float(key("rope.scaling.attn_factor", 1.0) or 1.0)
     # deepseek2 folds YaRN's mscale_all_dim into the softmax scale: kq_scale = mscale^2 / sqrt(qk head dim)
     kq_mscale = attn_factor * (1.0 + 0.1 * math.log(1.0 / freq_scale)) * (1.0 + 0.1 * log_mul * math.log(1.0 / freq_scale)) \
-      if arch == "deepseek2" else 1.0
+      if arch in ("deepseek2", "deepseek32") else 1.0
+    if arch == "glm-dsa" and yarn:  # llama.cpp's glm-dsa reads no YaRN log multiplier; GLM-5 ships without YaRN
+      raise GGUFError(f"{gf.path}: glm-dsa with YaRN RoPE scaling is not supported")
     rope = RopeConfig(rope_dim, float(key("rope.freq_base", 10000.0)), ROPE_TYPE[arch], freq_scale, 1.0 if yarn else 0.0, attn_factor,
                       int(key("rope.scaling.original_context_length", ctx_len)), float(key("rope.scaling.yarn_beta_fast", 32.0)),
                       float(key("rope.scaling.yarn_beta_slow", 1.0)))
@@ -184,6 +194,8 @@ class ModelConfig:
     n_expert = int(key("expert_count", 0))
     n_kv_shared = int(key("attention.shared_kv_layers", 0) or 0)
     gating = key("expert_gating_func", 0)
+    if not gating and arch == "deepseek32": raise GGUFError(f"{gf.path}: missing metadata key deepseek32.expert_gating_func")
+    if not gating and arch == "glm-dsa": gating = Gating.SIGMOID  # llama.cpp's default for glm-dsa
     if not gating:  # llama.cpp's default for GGUFs without the key: softmax, except GLM-4.7-Flash (sigmoid)
       gating = Gating.SIGMOID if arch == "deepseek2" and n_layer in (47, 48) and n_vocab == 154880 else Gating.SOFTMAX
     cfg = ModelConfig(
@@ -206,7 +218,8 @@ class ModelConfig:
       head_dim_swa=int(key("attention.key_length_swa", 0) or 0), rope_dim_swa=int(key("rope.dimension_count_swa", 0) or 0),
       n_kv_heads=n_kv_heads, ff_dims=ff_dims, n_kv_shared=n_kv_shared, v_norm=arch == "gemma4",
       v_from_k=tuple(i < n_layer - n_kv_shared and f"blk.{i}.attn_v.weight" not in gf for i in range(n_layer)) if arch == "gemma4" else (),
-      per_layer_dim=int(key("embedding_length_per_layer_input", 0) or 0), layer_output_scale=has("layer_output_scale.weight"))
+      per_layer_dim=int(key("embedding_length_per_layer_input", 0) or 0), layer_output_scale=has("layer_output_scale.weight"),
+      **_indexer(gf, arch, key, n_layer, ctx_len, rope_dim))
     for i in range(n_layer):
       if (src := cfg.kv_source(i)) is None: continue
       mine, theirs = cfg.layer(i), cfg.layer(src)
@@ -214,3 +227,16 @@ class ModelConfig:
         raise GGUFError(f"{gf.path}: layer {i} shares the KV of layer {src} ({arch}.attention.shared_kv_layers = {n_kv_shared}), "
                         "which is not a cache-owning layer of its kind and width")
     return cfg
+
+def _indexer(gf: GGUFFile, arch: str, key, n_layer: int, ctx_len: int, rope_dim: int) -> dict:
+  """The DSA indexer's fields (deepseek32 / glm-dsa), as llama.cpp's loaders read them."""
+  if arch not in ("deepseek32", "glm-dsa"): return {}
+  n_head, head_dim, top_k = (int(key(f"attention.indexer.{k}", required=True)) for k in ("head_count", "key_length", "top_k"))
+  types = key("attention.indexer.types")
+  if arch == "deepseek32": full = (True,) * n_layer
+  elif types is not None: full = tuple(bool(v) for v in types[:n_layer])
+  else: full = tuple(ctx_len < 1048576 or i < 2 or (i - 2) % 4 == 0 for i in range(n_layer))  # llama.cpp's GLM-5.2 pattern past 1M
+  if not full[0]: raise GGUFError(f"{gf.path}: {arch}.attention.indexer.types: layer 0 must have its own indexer")
+  if rope_dim > head_dim: raise GGUFError(f"{gf.path}: {arch}.rope.dimension_count {rope_dim} exceeds the indexer's key_length {head_dim}")
+  return dict(idx_n_head=n_head, idx_head_dim=head_dim, idx_top_k=top_k, idx_rope=RopeType.NEOX if arch == "deepseek32" else RopeType.NORM,
+              idx_norm_eps=1e-6 if arch == "deepseek32" else 0.0, idx_full=full)

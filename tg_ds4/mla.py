@@ -26,13 +26,16 @@ def causal_mask(T: int, start_pos: int | UOp, window: int = 0) -> Tensor | None:
   if window: keep = keep & ~ones.tril(start_pos - window)
   return keep.where(0.0, -3.4028234663852886e38)  # float32 min
 
-def write_cache(cache: Tensor, new: Tensor, start_pos: int | UOp) -> Tensor:
-  """Store `new` `[B, T, ...]` at rows start_pos..start_pos+T of `cache` `[B, max_ctx, ...]`; return the cache up to
-  start_pos+T, ordered after the store. Building the store into the graph (not `assign().realize()`) keeps it fusable
-  and lets TinyJit capture it with a symbolic start_pos."""
+def store_cache(cache: Tensor, new: Tensor, start_pos: int | UOp) -> Tensor:
+  """Store `new` `[B, T, ...]` at rows start_pos..start_pos+T of `cache` `[B, max_ctx, ...]`; return all of the cache,
+  ordered after the store. Building the store into the graph (not `assign().realize()`) keeps it fusable and lets
+  TinyJit capture it with a symbolic start_pos."""
   T = new.shape[1]
-  stored = Tensor(cache.uop.after(cache[:, start_pos:start_pos + T].uop.store(new.cast(cache.dtype).uop)))
-  return stored[:, :start_pos + T]
+  return Tensor(cache.uop.after(cache[:, start_pos:start_pos + T].uop.store(new.cast(cache.dtype).uop)))
+
+def write_cache(cache: Tensor, new: Tensor, start_pos: int | UOp) -> Tensor:
+  """store_cache, returning the cache up to start_pos+T."""
+  return store_cache(cache, new, start_pos)[:, :start_pos + new.shape[1]]
 
 def _absorb(x: Tensor, w: Weight) -> Tensor:
   """`linear(x, w)` for the absorb weights. A chunk unpacks each once to float32 (1-5 MB per layer), as layers.Linear
@@ -57,11 +60,12 @@ class MLA:
   def init_cache(self, max_ctx: int, device: str | None = None, dtype=dtypes.float32):
     self.cache = zeros((1, max_ctx, self.cfg.kv_lora_rank + self.cfg.rope.dim), dtype, device or Device.DEFAULT)
 
-  def __call__(self, x: Tensor, start_pos: int | UOp, rope: Tensor) -> Tensor:
+  def __call__(self, x: Tensor, start_pos: int | UOp, rope: Tensor, shared: dict | None = None) -> Tensor:
+    """`shared`: what this forward's layers hand to later ones (dsa.DSA's selections)."""
     cfg, (B, T, _) = self.cfg, x.shape
     H, L, nope = cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope
-    q = self.attn_q_b(self.attn_q_a_norm(self.attn_q_a(x))) if cfg.q_lora_rank else self.attn_q(x)
-    q = q.reshape(B, T, H, cfg.head_dim)
+    qr = self.attn_q_a_norm(self.attn_q_a(x)) if cfg.q_lora_rank else None                 # the Q LoRA latent
+    q = (self.attn_q_b(qr) if cfg.q_lora_rank else self.attn_q(x)).reshape(B, T, H, cfg.head_dim)
     q_pe = apply_rope(q[..., nope:], rope, start_pos, cfg.rope.type)
     # absorb k_b into the query: [B,H,T,nope] @ [H,nope,L] -> [B,H,T,L]
     q_lat = _absorb(q[..., :nope].transpose(1, 2), self.attn_k_b.weight)
@@ -69,12 +73,19 @@ class MLA:
 
     kv = self.attn_kv_a_mqa(x)
     k_new = self.attn_kv_a_norm(kv[..., :L], per_element=True).cat(apply_rope(kv[..., L:], rope, start_pos, cfg.rope.type), dim=-1)
-    k = write_cache(self.cache, k_new, start_pos).unsqueeze(1)                        # [B,1,S,L+R]
+    k, mask = self.rows(store_cache(self.cache, k_new, start_pos), x, qr, start_pos, rope, shared)  # [B,1,n,L+R], [T,n]
 
-    scores = dot_lanes(q, k) * cfg.kq_scale                                             # [B,H,T,S]
-    if (mask := causal_mask(T, start_pos)) is not None: scores = scores + mask
+    scores = dot_lanes(q, k) * cfg.kq_scale                                             # [B,H,T,n]
+    if mask is not None: scores = scores + mask
     o = scores.softmax(-1) @ k[..., :L]                                                 # V = latent part of K
     o = _absorb(o, self.attn_v_b.weight).transpose(1, 2).reshape(B, T, H * cfg.v_head_dim)              # [B,T,H*v_head]
     # a chunk's heads laid out token-major first: read through the transpose, the attn_output GEMM's reduction splits
     # into head and value axes and misses kernel_opts' GEMM shape (0.3 GB/s on a V2-Lite-shaped chunk)
     return self.attn_output(o.contiguous() if T > 1 else o)
+
+  def rows(self, cache: Tensor, x: Tensor, qr: Tensor | None, start_pos: int | UOp, rope: Tensor,
+           shared: dict | None) -> tuple[Tensor, Tensor | None]:
+    """The latent rows the queries attend over `[B, 1, n, L+R]` (all of `cache` `[B, max_ctx, L+R]` up to the last new
+    position) and their additive mask `[T, n]` (causal; None when nothing is masked). dsa.DSA picks fewer."""
+    T = x.shape[1]
+    return cache[:, :start_pos + T].unsqueeze(1), causal_mask(T, start_pos)

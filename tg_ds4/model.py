@@ -12,6 +12,7 @@ from tinygrad import Tensor, UOp, dtypes
 from tg_ds4 import actquant, backend, compat, precision
 from tg_ds4.attention import GQA
 from tg_ds4.config import ModelConfig
+from tg_ds4.dsa import DSA
 from tg_ds4.gguf import GGUFError, GGUFFile
 from tg_ds4.layers import Embedding, LayerNorm, Linear, Param, Params, RMSNorm, fusable, fuse_rows, load_weights
 from tg_ds4.mla import MLA
@@ -27,7 +28,8 @@ class Block:
     self.attn_norm, self.ffn_norm = Norm(cfg.dim, cfg.norm_eps), Norm(cfg.dim, cfg.norm_eps)
     if cfg.sandwich_norm:  # gemma's sandwich norms: the sublayer outputs are normed before the residual add
       self.post_attention_norm, self.post_ffw_norm = RMSNorm(cfg.dim, cfg.norm_eps), RMSNorm(cfg.dim, cfg.norm_eps)
-    self.attn = MLA(cfg) if cfg.mla else GQA(lc, bias=cfg.attn_bias, qk_norm=cfg.qk_norm, window=cfg.swa_window * self.swa, index=i,
+    mla = (DSA(cfg, cfg.idx_full[i]) if cfg.idx_top_k else MLA(cfg)) if cfg.mla else None
+    self.attn = mla or GQA(lc, bias=cfg.attn_bias, qk_norm=cfg.qk_norm, window=cfg.swa_window * self.swa, index=i,
                                              kv_from=cfg.kv_source(i), v_from_k=bool(cfg.v_from_k) and cfg.v_from_k[i])
     if cfg.is_moe_layer(i): self.ffn = MoE(cfg, fused_gate_up=cfg.fused_gate_up_exps, has_bias=cfg.expert_bias)
     else: self.ffn = FFN(cfg.dim, lc.ff_dim, act=cfg.ffn_act, gated=cfg.ffn_gated, sub_norm_eps=cfg.norm_eps if cfg.sub_norm else None,
@@ -49,10 +51,10 @@ class Block:
 
   def __call__(self, x: Tensor, start_pos: int | UOp, rope: Tensor, kvs: dict[int, Tensor] | None = None,
                per_layer: Tensor | None = None) -> Tensor:
-    """`kvs`: the caches this forward's earlier layers wrote, by layer (GQA); `per_layer`: this layer's per-layer
-    embedding input `[B, T, per_layer_dim]` (gemma4)."""
+    """`kvs`: what this forward's earlier layers hand to later ones (gemma4's KV by layer, DSA's selection);
+    `per_layer`: this layer's per-layer embedding input `[B, T, per_layer_dim]` (gemma4)."""
     post = hasattr(self, "post_attention_norm")
-    a = self.attn(self.attn_norm(x), start_pos, rope, kvs) if isinstance(self.attn, GQA) else self.attn(self.attn_norm(x), start_pos, rope)
+    a = self.attn(self.attn_norm(x), start_pos, rope, kvs)
     h = x + (self.post_attention_norm(a) if post else a)
     f = self.ffn(self.ffn_norm(h))
     out = h + (self.post_ffw_norm(f) if post else f)
@@ -143,7 +145,8 @@ class Transformer:
   def cache_tensors(self) -> list[tuple[str, Tensor, int]]:
     """Every KV-cache tensor as (name, tensor, row axis): rows [0:n] along that axis are the state after n tokens, so a
     prefix can be saved and restored without knowing the attention class."""
-    return [(f"blk.{i}.attn.cache", b.attn.cache, 1) for i, b in enumerate(self.blk) if b.attn.cache is not None]
+    return [(f"blk.{i}.attn.cache", b.attn.cache, 1) for i, b in enumerate(self.blk) if b.attn.cache is not None] + \
+      [(f"blk.{i}.attn.idx_cache", b.attn.idx_cache, 1) for i, b in enumerate(self.blk) if getattr(b.attn, "idx_cache", None) is not None]
 
 def _rope_freqs(gf: GGUFFile, dim: int) -> np.ndarray | None:
   """The file's `rope_freqs.weight` (llama 3.1+: one divisor per rotated pair), or None."""
