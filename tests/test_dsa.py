@@ -29,7 +29,8 @@ def run(name: str) -> dict:
   return {"prefill": r.prefill(seq, chunk=len(seq)).numpy()[0], "engine": r.engine_logits(seq, prefill_tokens=K), "K": K,
           "greedy": list(r.generate(ids, len(gen))), "cfg": r.model.cfg, "caches": [n for n, _, _ in r.model.cache_tensors()]}
 
-@pytest.mark.parametrize("name", NAMES)
+# ds32k's F32 file (11 MB) is not committed: its K-quant file is held to its twin and to llama.cpp below
+@pytest.mark.parametrize("name", ["ds32", "glmdsa"])
 def test_dsa_matches_transformers(name):
   m = manifest(name)
   r, ref = run(name), np.load(ROOT / name / m["hf"]["logits"])
