@@ -37,13 +37,18 @@ def schedulers(t: Tensor | list[UOp], renderer=None) -> list[Scheduler]:
     out.append(k)
   return out
 
+def weight_kernel(ks: list[Scheduler]) -> Scheduler:
+  """The GEMV kernel among a linear's kernels (an affine format's x-only block sums are another, quant.linear)."""
+  (k,) = [k for k in ks if any(b.src[0].dtype == dtypes.uint8 for b in k.bufs)]
+  return k
+
 def packed(name: str, rows: int, cols: int) -> QTensor:
   qt = QTYPE_BY_NAME[name]
   return QTensor(Tensor(np.zeros((rows, cols // qt.block, qt.nbytes), np.uint8)).realize(), qt, (rows, cols))
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q4_K", "IQ2_XXS"])  # IQ2_XXS: 8 lanes (PACKED_MIN_LANES)
 def test_gemv_keeps_lanes_and_core_split_without_row_upcast(name):
-  (k,) = schedulers(linear(Tensor.ones(1, 1, 1024).contiguous().realize(), packed(name, 4096, 1024)))
+  k = weight_kernel(schedulers(linear(Tensor.ones(1, 1, 1024).contiguous().realize(), packed(name, 4096, 1024))))
   theirs, ours = kernel_opts._hand_coded(k.copy()), kernel_opts.cpu_heuristic(k.copy())
   assert any(o.op is OptOps.UPCAST for o in theirs.applied_opts)  # what the change is about
   assert not any(o.op is OptOps.UPCAST for o in ours.applied_opts), ours.applied_opts
@@ -62,13 +67,19 @@ def test_addresses_put_the_reduce_loop_last():
   ordered = ((a + b) + r * 34) + 1
   assert graph_rewrite(ordered, kernel_opts._ADDRESSES) is ordered  # an ordered address is left as it is
 
+def _q4_blocks(qt, rows: int, rng) -> np.ndarray:
+  blocks = rng.integers(0, 256, (rows, 1024 // 32, qt.nbytes), dtype=np.uint8)
+  if qt.name == "MXFP4": blocks[..., 0] = rng.integers(118, 128, (rows, 32))  # e8m0 scales 2^-10 .. 2^-1
+  else: blocks[..., :4] = (rng.standard_normal((rows, 32, 2)) * 0.01).astype(np.float16).view(np.uint8)  # finite d and m
+  return blocks
+
 def test_gemv_unrolls_the_nibble_axis_with_the_same_sums(monkeypatch):
-  rng, qt = np.random.default_rng(0), QTYPE_BY_NAME["Q4_1"]
-  blocks = rng.integers(0, 256, (512, 1024 // 32, qt.nbytes), dtype=np.uint8)
-  blocks[..., :4] = (rng.standard_normal((512, 32, 2)) * 0.01).astype(np.float16).view(np.uint8)  # finite d and m
+  # MXFP4: a nibble format GEMV'd value by value (no per-block affine form, quant.linear)
+  rng, qt = np.random.default_rng(0), QTYPE_BY_NAME["MXFP4"]
+  blocks = _q4_blocks(qt, 512, rng)
   x = Tensor(rng.standard_normal((1, 1, 1024)).astype(np.float32)).realize()
   w = lambda rows: QTensor(Tensor(blocks[:rows].copy()).realize(), qt, (rows, 1024))
-  (k,) = schedulers(linear(x, w(512)))
+  k = weight_kernel(schedulers(linear(x, w(512))))
   ours = kernel_opts.cpu_heuristic(k.copy())
   assert np.prod([ours.full_shape[a] for a in ours.axes_of(AxisType.UNROLL)]) == 32  # 16 lanes x both nibbles
   unrolled = linear(x, w(512)).numpy()
@@ -76,6 +87,23 @@ def test_gemv_unrolls_the_nibble_axis_with_the_same_sums(monkeypatch):
   looped = linear(x, w(256)).numpy()  # another shape, so a kernel compiled without the unroll
   np.testing.assert_array_equal(unrolled[..., :256], looped)  # the same sums in the same order, bit for bit
   np.testing.assert_allclose(unrolled[0, 0], w(512).dequant().numpy() @ x.numpy()[0, 0], rtol=1e-4, atol=1e-4)
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0"])
+def test_affine_gemv_unrolls_the_block_sums(name):
+  """quant.linear's per-block form (d * (sum x q + c sum x)): the values sharing a lane are a reduce nested in the
+  blocks' loop, unrolled inside the 16 lanes; the result is the float64 dot product of the dequantized weight."""
+  rng, qt = np.random.default_rng(1), QTYPE_BY_NAME[name]
+  blocks = _q4_blocks(qt, 512, rng) if name != "Q8_0" else rng.integers(0, 256, (512, 32, qt.nbytes), dtype=np.uint8)
+  if name == "Q8_0": blocks[..., :2] = (rng.standard_normal((512, 32, 1)) * 0.01).astype(np.float16).view(np.uint8)
+  x = Tensor(rng.standard_normal((1, 1, 1024)).astype(np.float32)).realize()
+  w = QTensor(Tensor(blocks).realize(), qt, (512, 1024))
+  k = weight_kernel(schedulers(linear(x, w)))
+  ours = kernel_opts.cpu_heuristic(k.copy())
+  assert any(kernel_opts._nested_reduce(k, a) for a in k.unrollable_dims)  # the affine form's nested block sum
+  assert np.prod([ours.full_shape[a] for a in ours.axes_of(AxisType.UNROLL)]) == 32  # 16 lanes x the 2 values per lane
+  ref = w.dequant().numpy().astype(np.float64) @ x.numpy()[0, 0].astype(np.float64)
+  got = linear(x, w).numpy()[0, 0]
+  assert np.abs(got - ref).max() <= 2e-6 * np.abs(ref).max(), np.abs(got - ref).max() / np.abs(ref).max()
 
 def test_prefill_gemm_on_transposed_weight():
   wt = Tensor.ones(1024, 4096).contiguous().realize()   # [in, out], as layers.Linear stores an unpacked weight

@@ -178,15 +178,19 @@ def test_linear_bias_plain():
 
 # ---------------------------------------------------------------- fusion and bytes (DEV=NULL)
 
+# formats whose CPU GEMV (quant.linear's affine form, scheduled on NULL as on the CPU) first sums x over each block's
+# values that share a lane, in a kernel of its own that reads only x: the offset term (Q4_0's -8)
+X_SUMS = {"Q4_0"}
+
 @pytest.mark.parametrize("name", NULL_TYPES)
 def test_gemv_one_kernel_packed_bytes(name):
   kernels, ratio = null_results()[name]["gemv"]
-  assert kernels == 1 and ratio <= MAX_BYTES_RATIO, (kernels, ratio)
+  assert kernels == 1 + (name in X_SUMS) and ratio <= MAX_BYTES_RATIO, (kernels, ratio)
 
 @pytest.mark.parametrize("name", NULL_TYPES)
 def test_expert_gather_one_kernel_packed_bytes(name):
   kernels, ratio = null_results()[name]["gather"]
-  assert kernels == 1 and ratio <= MAX_BYTES_RATIO, (kernels, ratio)
+  assert kernels == 1 + (name in X_SUMS) and ratio <= MAX_BYTES_RATIO, (kernels, ratio)
 
 if __name__ == "__main__":
   assert os.environ.get("DEV") == "NULL", "run with DEV=NULL"

@@ -29,6 +29,14 @@ def in_range_gathers(device: str) -> bool:
   render the 64-bit cast the unsigned modulo lowers to (`KeyError: dtypes.long`)."""
   return getattr(Device[device].renderer, "has_threads", False)
 
+def affine_gemv(device: str) -> bool:
+  """Whether a GEMV over a format with one scale per block (Q4_0, Q8_0, ...) sums each block's products before scaling
+  them (quant.linear): on the CPU this saves a multiply per weight, and an integer add per weight where the format has
+  an offset (Q4_0's -8), which is what its code is bound by. GPU renderers keep the per-value form their kernel opts
+  (backend/gpu) were written for; NULL's generic renderer schedules as the CPU does (its kernel budgets are the CPU's).
+  `TG_DS4_AFFINE_GEMV=0` keeps the per-value form."""
+  return not Device[device].renderer.has_local and compat.kernel_opts_on() and os.environ.get("TG_DS4_AFFINE_GEMV", "1") != "0"
+
 def prepare_device(device: str) -> None:
   """Before anything is lowered for `device`: our kernel heuristic (backend/cpu/kernel_opts.py on CPU renderers, the
   CPU device or NULL lowering for it; backend/gpu/kernel_opts.py's packed GEMVs on GPU renderers), unless compat.py
