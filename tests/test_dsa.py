@@ -107,3 +107,28 @@ def test_dsa_serves_a_chat(name):
   print(f"\n{name}: {served.tok.decode(ids)!r} -> {r.choices[0].message.content!r} ({r.usage.completion_tokens} tokens)")
   n = r.usage.completion_tokens - (r.choices[0].finish_reason == "stop")  # an end-of-turn token ends the answer, not in it
   assert r.usage.prompt_tokens == len(ids) and r.choices[0].message.content == served.tok.decode(want[:n]) and n > 0
+
+  # thinking on/off, as each template writes it: V3.2's assistant turn opens <think> when thinking and writes an empty
+  # <think></think> otherwise (its default: off); GLM-4.7's opens <think> unless enable_thinking is false, then </think>
+  # (its default: on)
+  assistant, off, default = {"ds32": ("<｜Assistant｜>", "<think></think>", False), "glmdsa": ("<|assistant|>", "</think>", True)}[name]
+  text = {t: served.tok.decode(served.render(msgs, None, t)) for t in (True, False, None)}
+  assert text[True].endswith(assistant + "<think>") and text[False].endswith(assistant + off) and text[None] == text[default], text
+  async def prompt_tokens(**extra):
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(served, allowed=Allowed("127.0.0.1", frozenset({"test"})))),
+                                 base_url="http://test") as http:
+      oai = openai.AsyncOpenAI(base_url="http://test/v1", api_key="none", http_client=http, max_retries=0)
+      try: return (await oai.chat.completions.create(model=served.model_id, messages=msgs, max_tokens=1, temperature=0, **extra)).usage.prompt_tokens
+      except openai.BadRequestError as e: return e.body["message"]
+  for on in (True, False):  # the OpenAI endpoint's chat_template_kwargs (llama.cpp's server and vLLM take the same)
+    got = asyncio.run(prompt_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": on}}))
+    assert got == len(served.render(msgs, None, on)), (on, got)
+  assert "must be one boolean" in asyncio.run(prompt_tokens(extra_body={"chat_template_kwargs": {"thinking": "no"}}))
+  assert "cannot be set" in asyncio.run(prompt_tokens(extra_body={"chat_template_kwargs": {"messages": []}}))
+  async def anthropic_usage(body: dict) -> dict:  # Anthropic's thinking {"type": "disabled"}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(served, allowed=Allowed("127.0.0.1", frozenset({"test"})))),
+                                 base_url="http://test") as http:
+      return (await http.post("/v1/messages", json=body)).json()["usage"]
+  u = asyncio.run(anthropic_usage({"model": served.model_id, "max_tokens": 1, "system": "You are terse.", "thinking": {"type": "disabled"},
+                                   "messages": [{"role": "user", "content": "Name three rivers of the world"}]}))
+  assert u["input_tokens"] + u["cache_read_input_tokens"] == len(served.render(msgs, None, False)), u

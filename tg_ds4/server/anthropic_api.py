@@ -63,7 +63,8 @@ async def messages(request: Request):
     if req.tools and not (req.tool_choice and req.tool_choice.type == "none"):
       tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema}}
                for t in req.tools]
-    prompt = await run_in_threadpool(served.render, template_messages(req), tools)
+    # thinking {"type": "disabled"} renders a reasoning template with its thinking off (False); absent, its default
+    prompt = await run_in_threadpool(served.render, template_messages(req), tools, False if req.thinking else None)
     params = sampling(req.temperature, req.top_p, req.top_k, None, None, served.tok.vocab_size)
     c = Completion(served, prompt, req.max_tokens, params, [s for s in req.stop_sequences or [] if s], tools=bool(tools)).submit()
   mid = "msg_" + uuid.uuid4().hex[:24]

@@ -2,7 +2,7 @@
 SSE (`data: {chunk}` ... `data: [DONE]`) with stream=true."""
 from __future__ import annotations
 
-import logging, time, uuid
+import functools, logging, time, uuid
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -19,6 +19,9 @@ from tg_ds4.server.wire import JSON, sse
 
 log = logging.getLogger("tg_ds4.server")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+# what the server passes a chat template itself (tg_ds4.chat.Template.render)
+TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "tools", "documents", "bos_token", "eos_token"}
 
 def _unsupported(req: Sampling) -> None:
   """Fields we accept but can only honour at their neutral value: anything else is a 400 naming the field."""
@@ -79,7 +82,14 @@ async def chat_completions(request: Request):
       raise ApiError(400, "tool_choice: only 'auto' and 'none' are supported (a call cannot be forced)", "tool_choice")
     if req.top_logprobs is not None and not req.logprobs: raise ApiError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
-    prompt = await run_in_threadpool(served.render, [_message(m) for m in req.messages], tools)  # a long prompt must not stall the event loop
+    kw = dict(req.chat_template_kwargs or {})
+    flags = {kw.pop(n) for n in ("thinking", "enable_thinking") if n in kw}
+    if len(flags) > 1 or any(not isinstance(f, bool) for f in flags):
+      raise ApiError(400, "chat_template_kwargs: thinking / enable_thinking must be one boolean", "chat_template_kwargs")
+    if taken := sorted(kw.keys() & TEMPLATE_VARIABLES):
+      raise ApiError(400, f"chat_template_kwargs: {', '.join(taken)} cannot be set (the server sets them)", "chat_template_kwargs")
+    # a long prompt must not stall the event loop
+    prompt = await run_in_threadpool(functools.partial(served.render, [_message(m) for m in req.messages], tools, next(iter(flags), None), **kw))
     c = Completion(served, prompt, req.max_completion_tokens or req.max_tokens, _params(req, served), _stops(req.stop),
                    (req.top_logprobs or 0) if req.logprobs else None, tools=bool(tools)).submit()
   cid, created = "chatcmpl-" + uuid.uuid4().hex, int(time.time())

@@ -27,16 +27,18 @@ class Served:
     if name not in self.aliases:
       raise ApiError(404, f"model {name!r} does not exist; this server serves {self.model_id!r}", "model", "model_not_found")
 
-  def render(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+  def render(self, messages: list[dict], tools: list[dict] | None, thinking: bool | None = None, **template_kwargs) -> list[int]:
     """Chat messages -> prompt ids through the model's template. Tool-call arguments go in as objects, or as JSON strings
-    for templates that concatenate them (DeepSeek V3)."""
+    for templates that concatenate them (DeepSeek V3). `thinking`: reasoning on/off (None: the template's default);
+    `template_kwargs`: further template variables."""
     def with_args(as_object: bool) -> list[dict]:
       return [{**m, "tool_calls": template_tool_calls(m["tool_calls"], as_object)} if m.get("tool_calls") else m for m in messages]
+    kw = {**template_kwargs, "tools": tools or None, "thinking": thinking}
     try:
-      try: text = self.template.render(with_args(True), tools=tools or None)
+      try: text = self.template.render(with_args(True), **kw)
       except ChatTemplateError:
         if not any(m.get("tool_calls") for m in messages): raise
-        text = self.template.render(with_args(False), tools=tools or None)
+        text = self.template.render(with_args(False), **kw)
     except ChatTemplateError as e: raise ApiError(400, str(e), "messages") from None
     add_bos = getattr(self.template, "encode_add_special", lambda _: True)(text)  # no second BOS when the template wrote one
     return self.encode(text, parse_special=True, param="messages", add_special=add_bos)
