@@ -11,7 +11,7 @@ from tg_ds4.config import ModelConfig
 from tg_ds4.layers import Linear, Param, Params, RMSNorm, zeros
 from tg_ds4.actquant import round_activations
 from tg_ds4.precision import matmul_dtype
-from tg_ds4.quant import QTensor, Weight, dot_lanes, linear
+from tg_ds4.quant import LANES, QTensor, Weight, dot_lanes, linear
 from tg_ds4.rope import apply_rope
 
 
@@ -75,7 +75,7 @@ class MLA:
     k_new = self.attn_kv_a_norm(kv[..., :L], per_element=True).cat(apply_rope(kv[..., L:], rope, start_pos, cfg.rope.type), dim=-1)
     k, mask = self.rows(store_cache(self.cache, k_new, start_pos), x, qr, start_pos, rope, shared)  # [B,1,n,L+R], [T,n]
 
-    scores = dot_lanes(q, k) * cfg.kq_scale                                             # [B,H,T,n]
+    scores = dot_lanes(q, k, 8 if T == 1 else LANES) * cfg.kq_scale                     # [B,H,T,n]
     if mask is not None: scores = scores + mask
     o = scores.softmax(-1) @ k[..., :L]                                                 # V = latent part of K
     o = _absorb(o, self.attn_v_b.weight).transpose(1, 2).reshape(B, T, H * cfg.v_head_dim)              # [B,T,H*v_head]

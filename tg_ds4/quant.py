@@ -517,11 +517,11 @@ def panel_gemm(x: Tensor, w: Tensor, n: int, bias: Weight | None = None) -> Tens
   y = y.permute(1, 0, 2).reshape(*lead, O)
   return y if bias is None else y + as_tensor(bias, dtypes.float32)
 
-def dot_lanes(q: Tensor, k: Tensor) -> Tensor:
-  """`q @ k.T` over the last axis. For a few query rows (decode) as quant.linear's GEMV: per output, LANES partial sums
-  (position i into lane i % LANES), then their sum; the plain form is one chain of dependent adds per score, which
+def dot_lanes(q: Tensor, k: Tensor, lanes: int = LANES) -> Tensor:
+  """`q @ k.T` over the last axis. For a few query rows (decode) as quant.linear's GEMV: per output, `lanes` partial sums
+  (position i into lane i % lanes), then their sum; the plain form is one chain of dependent adds per score, which
   costs V2-Lite's 16 heads x 576-wide latent scores ~1 ms per layer, 6x the lanes form."""
   n = q.shape[-1]
-  if n % LANES: return q.matmul(k.transpose(-1, -2), dtype=dtypes.float32)
+  if n % lanes: return q.matmul(k.transpose(-1, -2), dtype=dtypes.float32)
   p = q.unsqueeze(-2) * k.unsqueeze(-3)                                                  # [..., T, S, n]
-  return p.reshape(*p.shape[:-1], n // LANES, LANES).sum(-2, dtype=dtypes.float32).sum(-1)
+  return p.reshape(*p.shape[:-1], n // lanes, lanes).sum(-2, dtype=dtypes.float32).sum(-1)
