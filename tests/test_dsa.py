@@ -123,7 +123,7 @@ def test_dsa_serves_a_chat(name):
   for on in (True, False):  # the OpenAI endpoint's chat_template_kwargs (llama.cpp's server and vLLM take the same)
     got = asyncio.run(prompt_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": on}}))
     assert got == len(served.render(msgs, None, on)), (on, got)
-  assert "must be one boolean" in asyncio.run(prompt_tokens(extra_body={"chat_template_kwargs": {"thinking": "no"}}))
+  for bad in ("no", [1]): assert "must be one boolean" in asyncio.run(prompt_tokens(extra_body={"chat_template_kwargs": {"thinking": bad}}))
   assert "cannot be set" in asyncio.run(prompt_tokens(extra_body={"chat_template_kwargs": {"messages": []}}))
   async def anthropic_usage(body: dict) -> dict:  # Anthropic's thinking {"type": "disabled"}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(served, allowed=Allowed("127.0.0.1", frozenset({"test"})))),

@@ -75,6 +75,7 @@ class MLA:
     k_new = self.attn_kv_a_norm(kv[..., :L], per_element=True).cat(apply_rope(kv[..., L:], rope, start_pos, cfg.rope.type), dim=-1)
     k, mask = self.rows(store_cache(self.cache, k_new, start_pos), x, qr, start_pos, rope, shared)  # [B,1,n,L+R], [T,n]
 
+    # a one-token step: 8 lanes (one 256-bit accumulator); with 16, clang left V2-Lite's 576-wide scores scalar
     scores = dot_lanes(q, k, 8 if T == 1 else LANES) * cfg.kq_scale                     # [B,H,T,n]
     if mask is not None: scores = scores + mask
     o = scores.softmax(-1) @ k[..., :L]                                                 # V = latent part of K

@@ -83,8 +83,8 @@ async def chat_completions(request: Request):
     if req.top_logprobs is not None and not req.logprobs: raise ApiError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
     kw = dict(req.chat_template_kwargs or {})
-    flags = {kw.pop(n) for n in ("thinking", "enable_thinking") if n in kw}
-    if len(flags) > 1 or any(not isinstance(f, bool) for f in flags):
+    flags = [kw.pop(n) for n in ("thinking", "enable_thinking") if n in kw]  # (a list: a value may be unhashable)
+    if any(not isinstance(f, bool) for f in flags) or len(set(flags)) > 1:
       raise ApiError(400, "chat_template_kwargs: thinking / enable_thinking must be one boolean", "chat_template_kwargs")
     if taken := sorted(kw.keys() & TEMPLATE_VARIABLES):
       raise ApiError(400, f"chat_template_kwargs: {', '.join(taken)} cannot be set (the server sets them)", "chat_template_kwargs")
