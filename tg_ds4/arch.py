@@ -26,6 +26,7 @@ class Model(Protocol):
   MAX_FORWARD_TOKENS: int | None    # the most tokens one forward takes; None: any
   max_rewind: int | None            # a run may start at most this far before the furthest row written; None: anywhere
   PREFIX_ROWS: bool                 # cache_tensors() exists: a prefix's cache rows can be saved (serve --kv-cache-dir)
+  slots: int                        # sequences whose caches sit side by side (rows.py); a batched step needs > 1
 
   def forward(self, tokens: Tensor | UOp, start_pos: int | UOp, last_only: bool = False, select: Tensor | None = None) -> Tensor:
     """tokens `[1, T]` (or one token as a bound variable) at positions start_pos.. -> logits `[1, T, vocab]`; the
@@ -62,7 +63,7 @@ DEFAULT_CONTEXT = 4096  # the CLI's and the server's context when none is given,
 
 def default_context(gf: GGUFFile) -> int: return min(DEFAULT_CONTEXT, config_of(gf).ctx_len)
 
-def load_model(gf: GGUFFile, device: str, max_ctx: int | None = None, llama_cpp_activations: bool = False) -> Model:
+def load_model(gf: GGUFFile, device: str, max_ctx: int | None = None, llama_cpp_activations: bool = False, slots: int = 1) -> Model:
   """The model of `gf`: config, weights (packed, mmapped), caches for `max_ctx` positions (default: the file's context).
   A context past the trained one is allowed, as llama.cpp allows it, with one warning: the math is defined there (RoPE
   of any position), only the model's quality is not. `llama_cpp_activations` rounds quantized-matmul inputs as
@@ -72,4 +73,4 @@ def load_model(gf: GGUFFile, device: str, max_ctx: int | None = None, llama_cpp_
     raise GGUFError(f"{gf.path}: learned positions (position_embd) for {cfg.ctx_len} tokens, a context of {max_ctx} was asked for")
   if max_ctx > cfg.ctx_len:
     logging.getLogger("tg_ds4").warning("%s: a context of %d positions exceeds the %d the model was trained for", gf.path.name, max_ctx, cfg.ctx_len)
-  return ARCHS[gf.arch].model.load(cfg, gf, device, max_ctx, llama_cpp_activations)
+  return ARCHS[gf.arch].model.load(cfg, gf, device, max_ctx, llama_cpp_activations, slots)

@@ -6,8 +6,9 @@ from tinygrad import Device, Tensor, UOp, dtypes
 
 from tg_ds4.config import ModelConfig
 from tg_ds4.layers import Linear, RMSNorm, zeros
-from tg_ds4.mla import causal_mask, write_cache
+from tg_ds4.mla import causal_mask
 from tg_ds4.rope import apply_rope
+from tg_ds4.rows import Rows, slot_rows, store_rows
 
 
 class GQA:
@@ -31,22 +32,21 @@ class GQA:
     self.attn_output = Linear(H * cfg.v_head_dim, cfg.dim, cfg.out_bias, s)
     self.cache: Tensor | None = None
 
-  def init_cache(self, max_ctx: int, device: str | None = None, dtype=dtypes.float32):
+  def init_cache(self, max_ctx: int, device: str | None = None, dtype=dtypes.float32, slots: int = 1):
     c = self.cfg
-    if self.kv_from is None: self.cache = zeros((1, max_ctx, c.n_kv_head, c.head_dim + c.v_head_dim), dtype, device or Device.DEFAULT)
+    if self.kv_from is None: self.cache = zeros((slots, max_ctx, c.n_kv_head, c.head_dim + c.v_head_dim), dtype, device or Device.DEFAULT)
 
-  def __call__(self, x: Tensor, start_pos: int | UOp, rope: Tensor, kvs: dict[int, Tensor] | None = None) -> Tensor:
+  def __call__(self, x: Tensor, start_pos: int | UOp | Rows, rope: Tensor, kvs: dict[int, Tensor] | None = None) -> Tensor:
     """`kvs`: layer -> its cache as this forward wrote it, for layers that attend over another's (kv_from)."""
-    cfg, (B, T, _) = self.cfg, x.shape
+    cfg, (B, T, _), rows = self.cfg, x.shape, Rows.of(start_pos)
     H, KV, D, R = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.rope.dim
     rot = lambda t: apply_rope(t[..., :R], rope, start_pos, cfg.rope.type).cat(t[..., R:], dim=-1) if 0 < R < D else \
       apply_rope(t, rope, start_pos, cfg.rope.type) if R else t
     if self.kv_from is not None:  # gemma4's shared-KV layers: q only, over the cache the source layer wrote in this forward
       if kvs is None or self.kv_from not in kvs: raise ValueError(f"layer {self.index} attends over layer {self.kv_from}'s KV: run that layer first")
       q = self.attn_q(x).reshape(B, T, H, D)
-      kv = kvs[self.kv_from]
       q = rot(self.attn_q_norm(q) if hasattr(self, "attn_q_norm") else q)
-      return self._attend(q, kv, start_pos)
+      return self._attend_rows(q, kvs[self.kv_from], rows)
     if hasattr(self, "attn_qkv"): q, k, v = self.attn_qkv(x).split([H * D, KV * D, KV * cfg.v_head_dim], dim=-1)
     elif hasattr(self, "attn_qk"): (q, k), v = self.attn_qk(x).split([H * D, KV * D], dim=-1), self.attn_v(x)  # fused at load (Block.fuse)
     else:
@@ -58,12 +58,19 @@ class GQA:
     q, k = rot(q), rot(k)
     # a chunk's v GEMM as its own kernel: fused into the cache write (beside k's RoPE) it gets no GEMM opts (qwen2.5,
     # 32 tokens: 3.8 ms -> 0.4 ms); one token's GEMV fuses fine and saves a launch
-    kv = write_cache(self.cache, k.cat(v.contiguous() if T > 1 else v, dim=-1), start_pos)                     # [B,S,KV,D+Dv]
-    if kvs is not None: kvs[self.index] = kv
-    return self._attend(q, kv, start_pos)
+    cache = store_rows(self.cache, k.cat(v.contiguous() if T > 1 else v, dim=-1), rows)           # [slots,S,KV,D+Dv]
+    if kvs is not None: kvs[self.index] = cache
+    return self._attend_rows(q, cache, rows)
+
+  def _attend_rows(self, q: Tensor, cache: Tensor, rows: Rows) -> Tensor:
+    """q `[B,T,H,D]` (normed, rotated), row b over its slot's rows of `cache` -> the output projection's result."""
+    T = q.shape[1]
+    o = [self._attend(q if len(rows) == 1 else q[b:b + 1], slot_rows(cache, s, p + T), p) for b, (s, p) in enumerate(rows)]
+    o = o[0] if len(o) == 1 else Tensor.cat(*o)
+    return self.attn_output(self.attn_sub_norm(o) if hasattr(self, "attn_sub_norm") else o)
 
   def _attend(self, q: Tensor, kv: Tensor, start_pos: int | UOp) -> Tensor:
-    """q `[B,T,H,D]` (normed, rotated) over the cache rows `kv` `[B,S,KV,D+Dv]` -> the output projection's result."""
+    """q `[B,T,H,D]` (normed, rotated) over the cache rows `kv` `[B,S,KV,D+Dv]` -> `[B,T,H*Dv]`."""
     cfg, (B, T, H, D) = self.cfg, q.shape
     KV = kv.shape[2]
     k, v = kv[..., :D].transpose(1, 2), kv[..., D:].transpose(1, 2)                                               # [B,KV,S,*]
@@ -74,5 +81,4 @@ class GQA:
     else:  # a chunk: q is used by every key position, so materialize it once instead of recomputing its RoPE per key
       scores = (q.contiguous() @ k.unsqueeze(2).transpose(-1, -2)) * cfg.kq_scale  # [B,KV,G,T,S]
     if (mask := causal_mask(T, start_pos, self.window)) is not None: scores = scores + mask
-    o = (scores.softmax(-1) @ v.unsqueeze(2)).reshape(B, H, T, cfg.v_head_dim).transpose(1, 2).reshape(B, T, H * cfg.v_head_dim)
-    return self.attn_output(self.attn_sub_norm(o) if hasattr(self, "attn_sub_norm") else o)
+    return (scores.softmax(-1) @ v.unsqueeze(2)).reshape(B, H, T, cfg.v_head_dim).transpose(1, 2).reshape(B, T, H * cfg.v_head_dim)

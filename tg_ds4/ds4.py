@@ -460,6 +460,7 @@ class DS4Transformer:
   MAX_FORWARD_TOKENS: int | None = PREFILL_CHUNK
   max_rewind: int | None = PREFILL_CHUNK
   PREFIX_ROWS = False  # see cache_tensors
+  slots = 1            # one sequence: the ring caches have no slots (rows.py)
 
   def __init__(self, cfg: DS4Config):
     self.cfg = cfg
@@ -470,7 +471,8 @@ class DS4Transformer:
     self.output = Linear(cfg.dim, cfg.n_vocab)
 
   @classmethod
-  def load(cls, cfg: DS4Config, gf: GGUFFile, device: str, max_ctx: int, llama_cpp_activations: bool) -> DS4Transformer:
+  def load(cls, cfg: DS4Config, gf: GGUFFile, device: str, max_ctx: int, llama_cpp_activations: bool, slots: int = 1) -> DS4Transformer:
+    if slots != 1: raise ValueError(f"{gf.path}: deepseek4 runs one sequence at a time (its ring caches have no slots yet), {slots} were asked for")
     model = cls(cfg)
     load_weights(model, gf, device)
     model.max_ctx, model.llama_cpp_activations, model.precision = max_ctx, llama_cpp_activations, precision.for_device(device)

@@ -17,9 +17,10 @@ from tg_ds4 import precision
 from tg_ds4.config import ModelConfig
 from tg_ds4.ds4 import NEG, topk_mask
 from tg_ds4.layers import LayerNorm, Linear, zeros
-from tg_ds4.mla import MLA, write_cache
+from tg_ds4.mla import MLA
 from tg_ds4.quant import dot_lanes
 from tg_ds4.rope import apply_rope
+from tg_ds4.rows import Rows, slot_rows, store_rows
 
 
 class DSAIndexer:
@@ -53,17 +54,17 @@ class DSA(MLA):
     if full: self.indexer = DSAIndexer(cfg)
     self.idx_cache: Tensor | None = None
 
-  def init_cache(self, max_ctx: int, device: str | None = None, dtype=dtypes.float32):
-    super().init_cache(max_ctx, device, dtype)
-    if hasattr(self, "indexer"): self.idx_cache = zeros((1, max_ctx, self.cfg.idx_head_dim), dtypes.float32, device or Device.DEFAULT)
+  def init_cache(self, max_ctx: int, device: str | None = None, dtype=dtypes.float32, slots: int = 1):
+    super().init_cache(max_ctx, device, dtype, slots)
+    if hasattr(self, "indexer"): self.idx_cache = zeros((slots, max_ctx, self.cfg.idx_head_dim), dtypes.float32, device or Device.DEFAULT)
 
-  def rows(self, cache: Tensor, x: Tensor, qr: Tensor | None, start_pos: int | UOp, rope: Tensor,
+  def rows(self, cache: Tensor, slot: int | UOp, x: Tensor, qr: Tensor | None, start_pos: int | UOp, rope: Tensor,
            shared: dict | None) -> tuple[Tensor, Tensor | None]:
     """A chunk attends over its causal rows with the unselected ones masked, as llama.cpp does. One token (decode)
     attends over the k selected rows only, gathered from the cache: its attention costs k rows, not the context."""
     T, cap, k = x.shape[1], cache.shape[1], self.cfg.idx_top_k
     if hasattr(self, "indexer"):
-      with precision.matmuls_in(dtypes.float32): keep = self._select(x, qr, start_pos, rope)  # [T, S]
+      with precision.matmuls_in(dtypes.float32): keep = self._select(x, qr, slot, start_pos, rope)  # [T, S]
       sel = {"keep": keep}
       if T == 1 and cap > k:  # positions past the context are never selected: pad the symbolic row to the cache's rows
         sel["idx"], sel["valid"] = compact(keep[0].pad(((0, cap - keep.shape[1]),)), k)
@@ -71,21 +72,21 @@ class DSA(MLA):
     else:  # glm-dsa's shared layers: the previous full layer's selection
       if shared is None or "dsa" not in shared: raise ValueError("a shared DSA layer needs the previous full layer's selection")
       sel = shared["dsa"]
-    if "idx" in sel: return cache[:, sel["idx"]].unsqueeze(1), sel["valid"].where(0.0, NEG).reshape(1, k)
-    return cache[:, :start_pos + T].unsqueeze(1), sel["keep"].where(0.0, NEG)
+    if "idx" in sel: return cache[slot:slot + 1][:, sel["idx"]].unsqueeze(1), sel["valid"].where(0.0, NEG).reshape(1, k)
+    return slot_rows(cache, slot, start_pos + T).unsqueeze(1), sel["keep"].where(0.0, NEG)
 
   def _rope_head(self, t: Tensor, rope: Tensor, start_pos: int | UOp) -> Tensor:
     """The indexer's rotation: its first rope.dim dims (the reverse of the MLA head's [nope | rope] layout)."""
     R = self.cfg.rope.dim
     return apply_rope(t[..., :R], rope, start_pos, self.cfg.idx_rope).cat(t[..., R:], dim=-1)
 
-  def _select(self, x: Tensor, qr: Tensor, start_pos: int | UOp, rope: Tensor) -> Tensor:
+  def _select(self, x: Tensor, qr: Tensor, slot: int | UOp, start_pos: int | UOp, rope: Tensor) -> Tensor:
     """`[T, S]` bool: the top-k of the positions each query may see (all of them when fewer)."""
     cfg, ix, (B, T, _) = self.cfg, self.indexer, x.shape
     H, D = cfg.idx_n_head, cfg.idx_head_dim
     q = self._rope_head(ix.attn_q_b(qr).reshape(B, T, H, D), rope, start_pos)
     k = self._rope_head(ix.k_norm(ix.attn_k(x)).reshape(B, T, 1, D), rope, start_pos).reshape(B, T, D)
-    keys = write_cache(self.idx_cache, k, start_pos)[0]                                          # [S, D]
+    keys = slot_rows(store_rows(self.idx_cache, k, Rows((slot,), (start_pos,))), slot, start_pos + T)[0]   # [S, D]
     w = ix.proj(x) * (D * H) ** -0.5                                                              # [B, T, H]
     score = (dot_lanes(q, keys).relu() * w.unsqueeze(-1)).sum(-2)                                # [B, T, S]
     ok = Tensor.ones(T, keys.shape[0], dtype=dtypes.bool).tril(start_pos)                        # causal

@@ -18,7 +18,7 @@ from tg_ds4.actquant import round_activations
 from tg_ds4.compat import Buffer, BufferSpec, Ops, _from_np_dtype, _to_np_dtype, prod
 from tg_ds4.gguf import GGUFError, GGUFFile
 from tg_ds4.precision import matmul_dtype
-from tg_ds4.quant import QTensor, Weight, as_tensor, linear, panel_gemm
+from tg_ds4.quant import LANES_MAX_ROWS, QTensor, Weight, as_tensor, linear, panel_gemm
 
 
 class Param:
@@ -47,7 +47,9 @@ class Linear:
 
 def matmul(x: Tensor, w: Weight, bias: Weight | None = None) -> Tensor:
   """What `Linear` computes, for a weight held elsewhere (a group of rows of a bigger one)."""
-  if isinstance(w, QTensor) and w.qtype.quantized and prod(x.shape[:-1]) > 1 and prod(w.shape) * 4 <= Linear.HOIST_MAX_BYTES:
+  # a batched decode step (rows.py: `[B, 1, in]`, a few rows) stays a GEMV on the packed bytes, as one token does
+  step = x.ndim == 3 and x.shape[1] == 1 and prod(x.shape[:-1]) <= LANES_MAX_ROWS
+  if isinstance(w, QTensor) and w.qtype.quantized and prod(x.shape[:-1]) > 1 and not step and prod(w.shape) * 4 <= Linear.HOIST_MAX_BYTES:
     x = round_activations(x, w.qtype.name)
     if w.ndim == 2 and (n := backend.gemm_panel(w.device)) and w.shape[0] % n == 0:
       return panel_gemm(x, w.dequant(matmul_dtype()), n, bias)

@@ -13,6 +13,7 @@ from tg_ds4.actquant import round_activations
 from tg_ds4.precision import matmul_dtype
 from tg_ds4.quant import LANES, QTensor, Weight, dot_lanes, linear
 from tg_ds4.rope import apply_rope
+from tg_ds4.rows import Rows, slot_rows, store_rows
 
 
 def causal_mask(T: int, start_pos: int | UOp, window: int = 0) -> Tensor | None:
@@ -25,17 +26,6 @@ def causal_mask(T: int, start_pos: int | UOp, window: int = 0) -> Tensor | None:
   keep = ones.tril(start_pos)
   if window: keep = keep & ~ones.tril(start_pos - window)
   return keep.where(0.0, -3.4028234663852886e38)  # float32 min
-
-def store_cache(cache: Tensor, new: Tensor, start_pos: int | UOp) -> Tensor:
-  """Store `new` `[B, T, ...]` at rows start_pos..start_pos+T of `cache` `[B, max_ctx, ...]`; return all of the cache,
-  ordered after the store. Building the store into the graph (not `assign().realize()`) keeps it fusable and lets
-  TinyJit capture it with a symbolic start_pos."""
-  T = new.shape[1]
-  return Tensor(cache.uop.after(cache[:, start_pos:start_pos + T].uop.store(new.cast(cache.dtype).uop)))
-
-def write_cache(cache: Tensor, new: Tensor, start_pos: int | UOp) -> Tensor:
-  """store_cache, returning the cache up to start_pos+T."""
-  return store_cache(cache, new, start_pos)[:, :start_pos + new.shape[1]]
 
 def _absorb(x: Tensor, w: Weight) -> Tensor:
   """`linear(x, w)` for the absorb weights. A chunk unpacks each once to float32 (1-5 MB per layer), as layers.Linear
@@ -57,12 +47,12 @@ class MLA:
     self.attn_output = Linear(H * cfg.v_head_dim, cfg.dim)
     self.cache: Tensor | None = None
 
-  def init_cache(self, max_ctx: int, device: str | None = None, dtype=dtypes.float32):
-    self.cache = zeros((1, max_ctx, self.cfg.kv_lora_rank + self.cfg.rope.dim), dtype, device or Device.DEFAULT)
+  def init_cache(self, max_ctx: int, device: str | None = None, dtype=dtypes.float32, slots: int = 1):
+    self.cache = zeros((slots, max_ctx, self.cfg.kv_lora_rank + self.cfg.rope.dim), dtype, device or Device.DEFAULT)
 
-  def __call__(self, x: Tensor, start_pos: int | UOp, rope: Tensor, shared: dict | None = None) -> Tensor:
+  def __call__(self, x: Tensor, start_pos: int | UOp | Rows, rope: Tensor, shared: dict | None = None) -> Tensor:
     """`shared`: what this forward's layers hand to later ones (dsa.DSA's selections)."""
-    cfg, (B, T, _) = self.cfg, x.shape
+    cfg, (B, T, _), rows = self.cfg, x.shape, Rows.of(start_pos)
     H, L, nope = cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope
     qr = self.attn_q_a_norm(self.attn_q_a(x)) if cfg.q_lora_rank else None                 # the Q LoRA latent
     q = (self.attn_q_b(qr) if cfg.q_lora_rank else self.attn_q(x)).reshape(B, T, H, cfg.head_dim)
@@ -73,20 +63,25 @@ class MLA:
 
     kv = self.attn_kv_a_mqa(x)
     k_new = self.attn_kv_a_norm(kv[..., :L], per_element=True).cat(apply_rope(kv[..., L:], rope, start_pos, cfg.rope.type), dim=-1)
-    k, mask = self.rows(store_cache(self.cache, k_new, start_pos), x, qr, start_pos, rope, shared)  # [B,1,n,L+R], [T,n]
-
-    # a one-token step: 8 lanes (one 256-bit accumulator); with 16, clang left V2-Lite's 576-wide scores scalar
-    scores = dot_lanes(q, k, 8 if T == 1 else LANES) * cfg.kq_scale                     # [B,H,T,n]
-    if mask is not None: scores = scores + mask
-    o = scores.softmax(-1) @ k[..., :L]                                                 # V = latent part of K
+    cache, o = store_rows(self.cache, k_new, rows), []
+    for b, (s, p) in enumerate(rows):  # each row over its own slot's rows (rows.py)
+      one = (lambda t: t) if len(rows) == 1 else (lambda t: None if t is None else t[b:b + 1])
+      sh = shared if len(rows) == 1 or shared is None else shared.setdefault(("row", b), {})
+      k, mask = self.rows(cache, s, one(x), one(qr), p, rope, sh)                      # [1,1,n,L+R], [T,n]
+      # a one-token step: 8 lanes (one 256-bit accumulator); with 16, clang left V2-Lite's 576-wide scores scalar
+      scores = dot_lanes(one(q), k, 8 if T == 1 else LANES) * cfg.kq_scale             # [1,H,T,n]
+      if mask is not None: scores = scores + mask
+      o.append(scores.softmax(-1) @ k[..., :L])                                         # V = latent part of K
+    o = o[0] if len(o) == 1 else Tensor.cat(*o)
     o = _absorb(o, self.attn_v_b.weight).transpose(1, 2).reshape(B, T, H * cfg.v_head_dim)              # [B,T,H*v_head]
     # a chunk's heads laid out token-major first: read through the transpose, the attn_output GEMM's reduction splits
     # into head and value axes and misses kernel_opts' GEMM shape (0.3 GB/s on a V2-Lite-shaped chunk)
     return self.attn_output(o.contiguous() if T > 1 else o)
 
-  def rows(self, cache: Tensor, x: Tensor, qr: Tensor | None, start_pos: int | UOp, rope: Tensor,
+  def rows(self, cache: Tensor, slot: int | UOp, x: Tensor, qr: Tensor | None, start_pos: int | UOp, rope: Tensor,
            shared: dict | None) -> tuple[Tensor, Tensor | None]:
-    """The latent rows the queries attend over `[B, 1, n, L+R]` (all of `cache` `[B, max_ctx, L+R]` up to the last new
-    position) and their additive mask `[T, n]` (causal; None when nothing is masked). dsa.DSA picks fewer."""
+    """The latent rows one sequence's queries attend over `[1, 1, n, L+R]` (all of its slot of `cache` `[slots,
+    max_ctx, L+R]` up to the last new position) and their additive mask `[T, n]` (causal; None when nothing is
+    masked). dsa.DSA picks fewer."""
     T = x.shape[1]
-    return cache[:, :start_pos + T].unsqueeze(1), causal_mask(T, start_pos)
+    return slot_rows(cache, slot, start_pos + T).unsqueeze(1), causal_mask(T, start_pos)

@@ -19,6 +19,7 @@ from tg_ds4.mla import MLA
 from tg_ds4.moe import FFN, MoE
 from tg_ds4.quant import QTensor, as_tensor
 from tg_ds4.rope import rope_table
+from tg_ds4.rows import Rows
 
 
 class Block:
@@ -76,6 +77,7 @@ class Transformer:
   MAX_FORWARD_TOKENS: int | None = None  # a forward takes any number of tokens
   PREFIX_ROWS = True
   max_rewind: int | None = None          # a run may start at any cached position
+  slots = 1                              # sequences whose caches sit side by side (rows.py)
 
   def __init__(self, cfg: ModelConfig):
     self.cfg = cfg
@@ -89,8 +91,9 @@ class Transformer:
     self.output = Linear(cfg.dim, cfg.n_vocab)
 
   @classmethod
-  def load(cls, cfg: ModelConfig, gf: GGUFFile, device: str, max_ctx: int, llama_cpp_activations: bool) -> Transformer:
-    """Weights from the file (packed; see layers.load_weights), CPU re-encodings, caches and rope tables."""
+  def load(cls, cfg: ModelConfig, gf: GGUFFile, device: str, max_ctx: int, llama_cpp_activations: bool, slots: int = 1) -> Transformer:
+    """Weights from the file (packed; see layers.load_weights), CPU re-encodings, caches (`slots` sequences side by
+    side: rows.py) and rope tables."""
     model = cls(cfg)
     rename = {} if "output.weight" in gf else {"output.weight": "token_embd.weight"}  # tied embeddings
     for i, b in enumerate(model.blk):
@@ -111,18 +114,24 @@ class Transformer:
     # (llama.cpp's rope_freq_scale_train_swa stays 1 for gemma3/gemma4: Gemma 3 4B-27B files say factor 8 for the rest)
     rope_swa = dataclasses.replace(cfg.rope, base=cfg.rope_base_swa, dim=cfg.rope_dim_swa or cfg.rope.dim, freq_scale=1.0)
     model.rope_swa = rope_table(rope_swa, rows, device) if cfg.swa_layers else None
-    for b in model.blk: b.attn.init_cache(rows, device, model.precision.cache)
+    for b in model.blk: b.attn.init_cache(rows, device, model.precision.cache, slots)
+    model.slots = slots
     return model
 
-  def forward(self, tokens: Tensor | UOp, start_pos: int | UOp, last_only: bool = False, select: Tensor | None = None) -> Tensor:
+  def forward(self, tokens: Tensor | UOp | list[UOp], start_pos: int | UOp | Rows, last_only: bool = False,
+              select: Tensor | None = None) -> Tensor:
     """tokens `[1, T]` int32 (or one token as a bound variable) at positions start_pos.. -> logits `[1, T, vocab]`;
     `[1, 1, vocab]` for the last position
-    (last_only) or for the position picked by the one-hot `select` `[1, T, 1]` (a JIT input, unlike a Python index)."""
+    (last_only) or for the position picked by the one-hot `select` `[1, T, 1]` (a JIT input, unlike a Python index).
+    A batched step: one token per row as bound variables, and `start_pos` the rows' slots and positions (rows.Rows)
+    -> `[B, 1, vocab]`."""
     with actquant.llama_cpp_activations(self.llama_cpp_activations), precision.matmuls_in(self.precision.matmul):
-      x = self.token_embd(tokens)
+      x = Tensor.cat(*[self.token_embd(t) for t in tokens]) if isinstance(tokens, list) else self.token_embd(tokens)
       if self.cfg.embed_scale != 1.0: x = x * self.cfg.embed_scale
-      if self.cfg.pos_embd: x = x + self.pos_rows[start_pos:start_pos + x.shape[1]].unsqueeze(0)
-      pl, kvs = self.per_layer_inputs(tokens, x) if self.cfg.per_layer_dim else None, {}
+      if self.cfg.pos_embd: x = x + Rows.of(start_pos).table(self.pos_rows, x.shape[1])
+      if self.cfg.per_layer_dim and isinstance(tokens, list): pl = Tensor.cat(*[self.per_layer_inputs(t, x[b:b + 1]) for b, t in enumerate(tokens)])
+      else: pl = self.per_layer_inputs(tokens, x) if self.cfg.per_layer_dim else None
+      kvs = {}
       for i, b in enumerate(self.blk): x = b(x, start_pos, self.rope_swa if b.swa else self.rope, kvs, None if pl is None else pl[:, :, i])
       if last_only: x = x[:, -1:]
       if select is not None: x = (x * select).sum(1, keepdim=True)
@@ -143,10 +152,11 @@ class Transformer:
   def check_resume(self, start_pos: int) -> None: pass  # every row of a cached prefix stays in the cache
 
   def cache_tensors(self) -> list[tuple[str, Tensor, int]]:
-    """Every KV-cache tensor as (name, tensor, row axis): rows [0:n] along that axis are the state after n tokens, so a
-    prefix can be saved and restored without knowing the attention class."""
-    return [(f"blk.{i}.attn.cache", b.attn.cache, 1) for i, b in enumerate(self.blk) if b.attn.cache is not None] + \
-      [(f"blk.{i}.attn.idx_cache", b.attn.idx_cache, 1) for i, b in enumerate(self.blk) if getattr(b.attn, "idx_cache", None) is not None]
+    """Every KV-cache tensor of slot 0 as (name, tensor, row axis): rows [0:n] along that axis are the state after n
+    tokens, so a prefix can be saved and restored without knowing the attention class."""
+    one = lambda t: t if self.slots == 1 else t[0:1]
+    return [(f"blk.{i}.attn.cache", one(b.attn.cache), 1) for i, b in enumerate(self.blk) if b.attn.cache is not None] + \
+      [(f"blk.{i}.attn.idx_cache", one(b.attn.idx_cache), 1) for i, b in enumerate(self.blk) if getattr(b.attn, "idx_cache", None) is not None]
 
 def _rope_freqs(gf: GGUFFile, dim: int) -> np.ndarray | None:
   """The file's `rope_freqs.weight` (llama 3.1+: one divisor per rotated pair), or None."""

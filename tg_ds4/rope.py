@@ -7,6 +7,7 @@ import numpy as np
 from tinygrad import Tensor, UOp
 
 from tg_ds4.config import RopeConfig, RopeType
+from tg_ds4.rows import Rows
 
 
 def rope_table(rc: RopeConfig, max_ctx: int, device: str | None = None, freq_factors: np.ndarray | None = None) -> Tensor:
@@ -29,10 +30,10 @@ def rope_table(rc: RopeConfig, max_ctx: int, device: str | None = None, freq_fac
   assert theta.shape == (max_ctx, half)
   return Tensor(np.stack([np.cos(theta) * mag, np.sin(theta) * mag], -1).astype(np.float32), device=device).realize()
 
-def apply_rope(x: Tensor, table: Tensor, start_pos: int | UOp, rtype: RopeType) -> Tensor:
-  """Rotate `x` `[B, T, ..., dim]` (T on axis 1) at positions start_pos..start_pos+T."""
+def apply_rope(x: Tensor, table: Tensor, start_pos: int | UOp | Rows, rtype: RopeType) -> Tensor:
+  """Rotate `x` `[B, T, ..., dim]` (T on axis 1) at positions start_pos..start_pos+T (per row: rows.Rows)."""
   T, d = x.shape[1], x.shape[-1]
-  cs = table[start_pos:start_pos + T].reshape(1, T, *[1] * (x.ndim - 3), d // 2, 2)
+  cs = Rows.of(start_pos).table(table, T).reshape(-1, T, *[1] * (x.ndim - 3), d // 2, 2)
   cos, sin = cs[..., 0], cs[..., 1]
   if rtype == RopeType.NORM:
     xp = x.reshape(*x.shape[:-1], d // 2, 2)

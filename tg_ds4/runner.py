@@ -33,6 +33,7 @@ from tg_ds4.compat import Buffer, _to_np_dtype
 from tg_ds4.checkpoint import open_model
 from tg_ds4.gguf import GGUFFile
 from tg_ds4.jit import Jit
+from tg_ds4.rows import Rows
 from tg_ds4.sampling import SamplingParams, greedy, sample
 
 MAX_TOP_LOGPROBS = 20
@@ -87,21 +88,38 @@ def _row_to_step(row: np.ndarray, k: int, want: int) -> Step:
 GREEDY = SamplingParams()
 FEED_TOKENS = 12  # a prompt tail this short goes through the per-token step, not a padded prefill chunk (module docstring)
 
+BATCHES = (1, 2, 4, 8)  # rows of the captured batched steps: a batch of n sequences runs in the smallest that holds n
+
 class Runner:
   def __init__(self, model: Model, step_cache: stepcache.StepCache | None = None, device: str | None = None):
     self.model, self.step_cache, self.device = model, step_cache, device or Device.DEFAULT
     self.stats = Stats()
-    self.cached: list[int] = []  # token ids whose cache rows [0:len] are valid
+    self.cached: list[int] = []  # token ids whose cache rows [0:len] of slot 0 are valid
     self._jits: dict[str, Jit] = {}
-    self._pos = lambda p: UOp.variable("start_pos", 0, model.max_ctx - 1).bind(p)
-    self._tok = lambda t: UOp.variable("token", 0, model.cfg.n_vocab - 1).bind(t)  # a variable: the embedding reads one row
+    # with several slots (rows.py) the last one is scratch: the rows a batched step pads with write there
+    self.parallel = model.slots - 1 if model.slots > 1 else 1
+    self._pos = lambda p, name="start_pos": UOp.variable(name, 0, model.max_ctx - 1).bind(p)
+    self._slot = lambda s, name="slot": UOp.variable(name, 0, model.slots - 1).bind(s)
+    # a variable: the embedding reads one row
+    self._tok = lambda t, name="token": UOp.variable(name, 0, model.cfg.n_vocab - 1).bind(t)
+
+  def _where(self, pos: int, slot: int = 0) -> tuple[UOp, ...]:
+    """Where a single-sequence forward starts, as step inputs: a symbolic position, and a symbolic slot when the model
+    has several (one captured step serves every slot). Passed to a step one by one (TinyJit binds variables given as
+    its arguments), turned into a forward's start by `_start`."""
+    return (self._pos(pos),) if self.model.slots == 1 else (self._pos(pos), self._slot(slot))
+
+  @staticmethod
+  def _start(*where: UOp) -> UOp | Rows: return where[0] if len(where) == 1 else Rows((where[1],), (where[0],))
 
   @staticmethod
   def load(path: str | pathlib.Path | GGUFFile, max_ctx: int | None = None, device: str | None = None,
-           llama_cpp_activations: bool = False) -> Runner:
+           llama_cpp_activations: bool = False, parallel: int = 1) -> Runner:
     """Load a model for `max_ctx` positions (default: the file's context). `llama_cpp_activations` rounds
     quantized-matmul inputs as llama.cpp's CPU backend does (see actquant.py): for token-exact comparisons with
-    llama.cpp; the default is exact float math."""
+    llama.cpp; the default is exact float math. `parallel` > 1 keeps that many sequences' caches side by side (plus a
+    scratch slot) for the batched steps (batch.Batcher)."""
+    if not 1 <= parallel <= BATCHES[-1]: raise ValueError(f"parallel must be in [1, {BATCHES[-1]}], got {parallel}")
     gf = path if hasattr(path, "infos") else open_model(path)  # a GGUFFile or checkpoint.Checkpoint, or a path to either
     device = device or Device.DEFAULT
     prepare_device(device)
@@ -109,9 +127,10 @@ class Runner:
     # tinygrad's pool of compile workers for them costs ~0.8 s, most of a warm start
     with Context(PARALLEL=0):
       quant.realize_tables(device)
-      model = load_model(gf, device, max_ctx, llama_cpp_activations)
+      model = load_model(gf, device, max_ctx, llama_cpp_activations, parallel + 1 if parallel > 1 else 1)
     compat.release_freed_buffers(device)
-    return Runner(model, stepcache.for_model(model, gf, device, max_ctx=model.max_ctx, llama_cpp_activations=llama_cpp_activations), device)
+    settings = dict(max_ctx=model.max_ctx, llama_cpp_activations=llama_cpp_activations) | ({"slots": model.slots} if model.slots > 1 else {})
+    return Runner(model, stepcache.for_model(model, gf, device, **settings), device)
 
   # *** the captured steps
 
@@ -125,8 +144,10 @@ class Runner:
     kind = "greedy" if is_greedy else "sample"
     if (j := self._jits.get(name := kind if k is None else f"logprobs-{kind}-{k}")) is not None: return j  # per token: no new closure
     m = self.model
-    def step(tok, sp, *sargs):
-      logits = m.forward(tok, sp, last_only=True)[:, -1]
+    nw = len(self._where(0))
+    def step(tok, *args):
+      sargs = args[nw:]
+      logits = m.forward(tok, self._start(*args[:nw]), last_only=True)[:, -1]
       nxt = greedy(logits) if is_greedy else sample(logits, *sargs)
       out = nxt if k is None else _with_logprobs(logits, nxt, k)
       Tensor.realize(out, logits)
@@ -141,6 +162,43 @@ class Runner:
       tok = greedy(logits) if is_greedy else sample(logits, *sargs)
       return (tok if k is None else _with_logprobs(logits, tok, k)).realize()
     return self._step(f"head-{'greedy' if is_greedy else 'sample'}-{'ids' if k is None else k}", head)
+
+  def batch_step(self, tokens: list[int], slots: list[int], positions: list[int], sampling: tuple | None = None,
+                 logprobs: int | None = None) -> np.ndarray:
+    """One token for each of several sequences (rows.py), each in its own slot at its own position, through the
+    captured step of the smallest batch in BATCHES that holds them (the rest padded with rows in the scratch slot):
+    the next token id per row `[n]` (greedy), or with `sampling` = (is_greedy, temperature, top_k, top_p, min_p) `[n]`
+    arrays and the rng `[n, 2]` sampled per row (a greedy row takes the argmax), or with `logprobs` = k the rows
+    `[n, 2 + 2k]` of _with_logprobs. The per-slot token bookkeeping is the caller's (batch.Batcher)."""
+    n = len(tokens)
+    if self.model.slots == 1 or not 0 < n <= self.parallel:
+      raise ValueError(f"a batched step takes 1..{self.parallel} rows of a model loaded with parallel > 1, got {n}")
+    B = next(b for b in BATCHES if b >= n)
+    pad = B - n
+    toks, slots, positions = list(tokens) + [0] * pad, list(slots) + [self.model.slots - 1] * pad, list(positions) + [0] * pad
+    args = [self._tok(t, f"token{i}") for i, t in enumerate(toks)] + [self._slot(s, f"slot{i}") for i, s in enumerate(slots)] + \
+      [self._pos(p, f"pos{i}") for i, p in enumerate(positions)]
+    if sampling is not None:
+      flags, temp, top_k, top_p, min_p, rng = (np.concatenate([np.asarray(a), np.repeat(np.asarray(a)[:1], pad, 0)]) for a in sampling)
+      args += [Tensor(flags.astype(bool)), Tensor(np.maximum(temp, 1e-6).astype(np.float32)), Tensor(top_k.astype(np.int32)),
+               Tensor(top_p.astype(np.float32)), Tensor(min_p.astype(np.float32)), Tensor(rng.astype(np.uint32))]
+    out = self._batch(B, sampling is None, logprobs)(*args).numpy()
+    return out[:n, 0] if logprobs is None else out[:n]
+
+  def _batch(self, B: int, is_greedy: bool, k: int | None) -> Jit:
+    """The captured batched step of B rows: B token, slot and position variables (and the sampling inputs) -> the
+    next token ids `[B, 1]`, or the `[B, 2 + 2k]` rows of _with_logprobs."""
+    name = f"batch-{B}-{'greedy' if is_greedy else 'sample'}" + ("" if k is None else f"-logprobs-{k}")
+    if (j := self._jits.get(name)) is not None: return j
+    m = self.model
+    def step(*args):
+      logits = m.forward(list(args[:B]), Rows(tuple(args[B:2 * B]), tuple(args[2 * B:3 * B])), last_only=True)[:, -1]  # [B, vocab]
+      if is_greedy: nxt = greedy(logits)
+      else:
+        flags, *sargs = args[3 * B:]
+        nxt = flags.reshape(-1, 1).where(greedy(logits), sample(logits, *sargs))
+      return (nxt if k is None else _with_logprobs(logits, nxt, k)).realize()
+    return self._step(name, step)
 
   def _wrote(self, token: int, pos: int) -> None:
     """The cache row of `pos` now holds `token` (rows past it are stale). In place: generation calls it per token."""
@@ -167,7 +225,7 @@ class Runner:
     """How many tokens of an n-token prompt `generate` prefills through chunks (the rest go through the per-token step)."""
     return n - self._plan(n, FEED_TOKENS)[1]
 
-  def _prefill_chunks(self, tokens: list[int], start_pos: int, sizes: list[int]) -> Tensor:
+  def _prefill_chunks(self, tokens: list[int], start_pos: int, sizes: list[int], slot: int = 0) -> Tensor:
     """tokens through the captured prefill steps of `sizes`; the logits `[1, 1, vocab]` of the last token. The last
     chunk may be padded: the padding writes cache rows past the prompt, which later steps overwrite before any query
     can see them (a query at position p reads rows <= p only)."""
@@ -175,8 +233,8 @@ class Runner:
     for C in sizes:
       part = tokens[s:s + C]
       sel = [[[1.0] if i == len(part) - 1 else [0.0] for i in range(C)]]
-      step = self._step(f"prefill-{C}", lambda t, sp, sel: m.forward(t, sp, select=sel).realize())
-      out = step(Tensor([part + [0] * (C - len(part))], dtype=dtypes.int32), self._pos(start_pos + s), Tensor(sel))
+      step = self._step(f"prefill-{C}", lambda t, sel, *w: m.forward(t, self._start(*w), select=sel).realize())
+      out = step(Tensor([part + [0] * (C - len(part))], dtype=dtypes.int32), Tensor(sel), *self._where(start_pos + s, slot))
       s += C
     return out
 
@@ -186,7 +244,8 @@ class Runner:
     """Logits `[1, 1, vocab]` of one token at `pos` through the captured step; the symbolic position lets every position
     replay the same kernels. The token goes in as a `[1, 1]` tensor (its embedding a one-hot gather), unlike the
     generation steps' bound variable (a one-row slice): the two differ in float rounding only."""
-    out = self._step("decode", lambda t, sp: self.model.forward(t, sp).realize())(Tensor([[token]], dtype=dtypes.int32), self._pos(pos))
+    step = self._step("decode", lambda t, *w: self.model.forward(t, self._start(*w)).realize())
+    out = step(Tensor([[token]], dtype=dtypes.int32), *self._where(pos))
     self._wrote(token, pos)
     return out
 
@@ -197,12 +256,12 @@ class Runner:
     m, outs = self.model, []
     if (C := m.MAX_FORWARD_TOKENS) is None:
       for s in range(0, len(tokens), chunk):
-        outs.append(m.forward(Tensor([tokens[s:s + chunk]], dtype=dtypes.int32), self._pos(start_pos + s)).realize())
+        outs.append(m.forward(Tensor([tokens[s:s + chunk]], dtype=dtypes.int32), self._start(*self._where(start_pos + s))).realize())
     else:
-      step = self._step(f"chunk-{C}", lambda t, sp: m.forward(t, sp).realize())
+      step = self._step(f"chunk-{C}", lambda t, *w: m.forward(t, self._start(*w)).realize())
       for s in range(0, len(tokens), C):
         part = tokens[s:s + C]
-        out = step(Tensor([part + [0] * (C - len(part))], dtype=dtypes.int32), self._pos(start_pos + s))
+        out = step(Tensor([part + [0] * (C - len(part))], dtype=dtypes.int32), *self._where(start_pos + s))
         outs.append(out[:, :len(part)].clone().realize())  # a copy: the step reuses its output buffer
     self.cached = self.cached[:start_pos] + list(tokens)
     return outs[0].cat(*outs[1:], dim=1).realize() if len(outs) > 1 else outs[0]
@@ -220,7 +279,7 @@ class Runner:
     return self._per_token(token, pos, params.greedy, sampling, logprobs)[0]
 
   def _per_token(self, token: int, pos: int, is_greedy: bool, sampling: tuple, k: int | None) -> tuple[Tensor, Tensor]:
-    out = self._next_step(is_greedy, k)(self._tok(token), self._pos(pos), *sampling)
+    out = self._next_step(is_greedy, k)(self._tok(token), *self._where(pos), *sampling)
     self._wrote(token, pos)
     return out
 

@@ -43,10 +43,15 @@ def _bisect(lo: Tensor, hi: Tensor, keep_upper) -> Tensor:
 def uniform(shape: tuple[int, ...], rng: Tensor) -> Tensor:
   """Counter-based uniforms in (0, 1): a murmur3-style hash of (seed, step, index). `rng` is a `(2,)` uint32 input
   (seed, step), so draws depend only on those numbers: the same seed gives the same text whether or not the step was
-  JIT-captured (tinygrad's own Tensor.rand keeps state that a captured graph does not reset)."""
-  n = 1
-  for s in shape: n *= s
-  x = Tensor.arange(n, dtype=dtypes.uint32).reshape(shape) * 0x9E3779B1 + rng[0] * 0x85EBCA77 + rng[1] * 0xC2B2AE3D
+  JIT-captured (tinygrad's own Tensor.rand keeps state that a captured graph does not reset). With `rng` `[B, 2]` (a
+  batched step's rows, `shape` `[B, V]`) row b hashes its own (seed, step) and its index in the row: the draws of a
+  one-row `shape` under that row's `(2,)` rng, whichever batch row it runs in."""
+  if rng.ndim == 2:
+    x = Tensor.arange(shape[-1], dtype=dtypes.uint32).reshape(1, -1) * 0x9E3779B1 + rng[:, 0:1] * 0x85EBCA77 + rng[:, 1:2] * 0xC2B2AE3D
+  else:
+    n = 1
+    for s in shape: n *= s
+    x = Tensor.arange(n, dtype=dtypes.uint32).reshape(shape) * 0x9E3779B1 + rng[0] * 0x85EBCA77 + rng[1] * 0xC2B2AE3D
   for shift, mul in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)): x = (x ^ (x >> shift)) * mul
   x = x ^ (x >> 16)
   return ((x >> 8).cast(dtypes.float32) + 0.5) * (1.0 / (1 << 24))
@@ -56,22 +61,22 @@ def greedy(logits: Tensor) -> Tensor:
   return logits.argmax(-1, keepdim=True).cast(dtypes.int32)
 
 def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, rng: Tensor) -> Tensor:
-  """logits `[B, V]` -> `[B, 1]` int32 sampled token ids. Parameters are `(1,)` tensors (see SamplingParams.tensors),
-  `rng` the `(2,)` uint32 (seed, step)."""
+  """logits `[B, V]` -> `[B, 1]` int32 sampled token ids. Parameters are `(1,)` tensors (see SamplingParams.tensors)
+  or `(B,)` ones (a row each), `rng` the `(2,)` uint32 (seed, step) or `[B, 2]`."""
   logits = logits.float()
   lmax, lmin = logits.max(-1, keepdim=True), logits.min(-1, keepdim=True)
   # top-k: the k-th largest logit is the largest t with count(logits >= t) >= k (k = 0 keeps everything)
-  k = top_k.reshape(1, 1)
+  k = top_k.reshape(-1, 1)
   t_k = _bisect(lmin, lmax, lambda t: (logits >= t).sum(-1, keepdim=True) >= k)
   keep = (k == 0) | (logits >= t_k)
   p = keep.where(logits - lmax, float("-inf")).exp()
   p = p / p.sum(-1, keepdim=True)
   # top-p: keep the most probable tokens until their mass reaches top_p (the token that crosses it included)
   pmax = p.max(-1, keepdim=True)
-  t_p = _bisect(Tensor.zeros_like(pmax), pmax, lambda t: (p >= t).where(p, 0.0).sum(-1, keepdim=True) >= top_p.reshape(1, 1))
-  keep = keep & ((top_p.reshape(1, 1) >= 1.0) | (p >= t_p))
+  t_p = _bisect(Tensor.zeros_like(pmax), pmax, lambda t: (p >= t).where(p, 0.0).sum(-1, keepdim=True) >= top_p.reshape(-1, 1))
+  keep = keep & ((top_p.reshape(-1, 1) >= 1.0) | (p >= t_p))
   # min-p: drop tokens below min_p times the most probable one
-  keep = keep & (p >= min_p.reshape(1, 1) * pmax)
+  keep = keep & (p >= min_p.reshape(-1, 1) * pmax)
   # temperature, then a Gumbel-max draw: argmax(l/T - log(-log u)) samples softmax(l/T)
   g = -(-uniform(logits.shape, rng).log()).log()
-  return keep.where(logits / temperature.reshape(1, 1) + g, float("-inf")).argmax(-1, keepdim=True).cast(dtypes.int32)
+  return keep.where(logits / temperature.reshape(-1, 1) + g, float("-inf")).argmax(-1, keepdim=True).cast(dtypes.int32)
