@@ -169,7 +169,8 @@ def cmd_bench(args) -> int:
     try: import llama_cpp  # noqa: F401
     except ImportError: raise UsageError("--vs-llama-cpp needs llama-cpp-python (pip install llama-cpp-python==0.3.36)") from None
   if args.prompt_tokens < 1 or args.gen < 2 or args.repeat < 1: raise UsageError("--prompt-tokens >= 1, --gen >= 2 and --repeat >= 1")
-  try: r = bench.run(args.model, args.prompt_tokens, args.gen, args.repeat, args.vs_llama_cpp, args.quantize)
+  if not 1 <= args.parallel <= 8: raise UsageError("--parallel must be in [1, 8]")
+  try: r = bench.run(args.model, args.prompt_tokens, args.gen, args.repeat, args.vs_llama_cpp, args.quantize, args.parallel)
   except bench.BenchError as e: raise UsageError(str(e)) from None
   print(json.dumps(r, indent=1) if args.json else bench.format_text(r))
   return 0
@@ -310,6 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--repeat", type=int, default=3)
   s.add_argument("--json", action="store_true")
   s.add_argument("--vs-llama-cpp", action="store_true", help="also run llama.cpp (llama-cpp-python) on the same file and tokens")
+  s.add_argument("--parallel", type=int, default=1, help="also decode N streams at once (batched steps): aggregate and per-stream tok/s, "
+                 "time to first token under load")
   s.set_defaults(fn=cmd_bench)
   s = sub.add_parser("profile", help="time one decode step (and a prefill chunk) kernel by kernel, by block and op; CSV/JSON/PNG")
   s.add_argument("-m", "--model", default="smollm2", help="a .gguf file, a Hugging Face checkpoint folder or a short model name (default smollm2)")

@@ -64,6 +64,40 @@ def bench_tg(path, prompt: list[int], gen: int, repeat: int) -> dict:
           "kernels_per_step": GlobalCounters.kernel_count, "bytes_per_step": GlobalCounters.global_mem,
           "gbps": GlobalCounters.global_mem / step / 1e9}
 
+def bench_parallel(path, prompt: list[int], gen: int, repeat: int, n: int) -> dict:
+  """n requests at once through batch.Batcher (each its own rotation of the prompt, so no slot reuses another's
+  prefix): the median wall of a step in which all n rows produced a token gives the aggregate and per-stream decode
+  tok/s; then the time to first token of a short request, idle and while n - 1 long generations run."""
+  from tg_ds4.batch import Batcher, Request
+  try: runner = Runner.load(path, max_ctx=len(prompt) + gen + 8, parallel=n)
+  except ValueError as e: raise BenchError(str(e)) from None
+  b = Batcher(runner)
+  reqs = lambda r, g: [Request(tuple(prompt[(r * n + i) % len(prompt):] + prompt[:(r * n + i) % len(prompt)]), g) for i in range(n)]
+  for r in range(2): b.run([Request(q.prompt, 2 + i) for i, q in enumerate(reqs(r, 4))])  # capture every batch size up to n
+  steps = []
+  for r in range(repeat):
+    for q in reqs(2 + r, gen): b.submit(q)
+    while b.busy:
+      t0 = time.perf_counter()
+      got = sum(e.step is not None for e in b.step())
+      if got == n: steps.append(time.perf_counter() - t0)
+  GlobalCounters.reset()
+  runner.batch_step(prompt[:n], list(range(n)), [len(prompt)] * n)
+  kernels, nbytes = GlobalCounters.kernel_count, GlobalCounters.global_mem
+  short = Request(tuple(prompt[:8]), 2)
+  def ttft(load: int) -> float:
+    rids = [b.submit(q) for q in reqs(9, gen)[:load]]
+    while any(b.timings.get(i) is None or b.timings[i].first is None for i in rids): b.step()
+    rid = b.submit(short)
+    while b.timings.get(rid) is None or b.timings[rid].first is None: b.step()
+    for i in rids: b.cancel(i)
+    while b.busy: b.step()
+    return b.timings[rid].first - b.timings[rid].submitted
+  idle, loaded = statistics.median(ttft(0) for _ in range(3)), statistics.median(ttft(n - 1) for _ in range(3))
+  step = statistics.median(steps)
+  return {"parallel": n, "aggregate_decode_tps": n / step, "per_stream_decode_tps": 1 / step, "ms_per_step": 1000 * step,
+          "kernels_per_step": kernels, "bytes_per_step": nbytes, "ttft_idle_s": idle, "ttft_loaded_s": loaded}
+
 def bench_llama_cpp(path, prompt: list[int], gen: int, repeat: int, threads: int) -> dict:
   from llama_cpp import Llama
   llm = Llama(str(path), n_ctx=len(prompt) + gen + 8, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
@@ -80,7 +114,8 @@ def bench_llama_cpp(path, prompt: list[int], gen: int, repeat: int, threads: int
 class BenchError(ValueError):
   """Settings that cannot run on this model (reported as a usage error)."""
 
-def run(model: str, prompt_tokens: int = 128, gen: int = 64, repeat: int = 3, vs_llama_cpp: bool = False, quantize: str | None = None) -> dict:
+def run(model: str, prompt_tokens: int = 128, gen: int = 64, repeat: int = 3, vs_llama_cpp: bool = False, quantize: str | None = None,
+        parallel: int = 1) -> dict:
   from tg_ds4.arch import config_of
   from tg_ds4.checkpoint import Checkpoint, open_model
   path = resolve(model)
@@ -92,9 +127,11 @@ def run(model: str, prompt_tokens: int = 128, gen: int = 64, repeat: int = 3, vs
   tok = Tokenizer.from_gguf(gf)
   prompt = _prompt(tok, prompt_tokens)
   res = {"model": model, "file": str(path), "prompt_tokens": prompt_tokens, "gen": gen, "repeat": repeat,
-         "threads": engine_threads(), "beam": int(os.environ.get("JITBEAM", 0)),
-         "tg_ds4": bench_tg(gf, prompt, gen, repeat)}
+         "threads": engine_threads(), "beam": int(os.environ.get("JITBEAM", 0))}
+  if parallel > 1: res["parallel"] = bench_parallel(gf, prompt, gen, repeat, parallel)  # first: a model without slots fails at once
+  res["tg_ds4"] = bench_tg(gf, prompt, gen, repeat)
   res["device"] = Device.DEFAULT
+  if parallel > 1: res["parallel"]["vs_one_stream"] = res["parallel"]["aggregate_decode_tps"] / res["tg_ds4"]["decode_tps"]
   if on_cpu(None):  # the host's streaming read is the CPU's roofline; a GPU's memory is another
     res["read_gbps"] = read_bandwidth(res["threads"])
     res["tg_ds4"]["bandwidth_fraction"] = res["tg_ds4"]["gbps"] / res["read_gbps"]
@@ -113,6 +150,13 @@ def format_text(r: dict) -> str:
            f"             {t['kernels_per_step']} kernels/step, {t['bytes_per_step'] / 1e6:.1f} MB/step, {t['gbps']:.2f} GB/s "
            + (f"= {100 * t['bandwidth_fraction']:.1f}% of this machine's {r['read_gbps']:.1f} GB/s streaming read on {r['threads']} threads"
               if "read_gbps" in r else f"on {r.get('device', '?')} (launches counted as tinygrad replays them: a GPU graph is one)")]
+  if "parallel" in r:
+    p = r["parallel"]
+    lines += [f"  {p['parallel']} streams  decode {p['aggregate_decode_tps']:7.2f} tok/s together ({p['vs_one_stream']:.2f}x one stream), "
+              f"{p['per_stream_decode_tps']:.2f} tok/s each ({p['ms_per_step']:.1f} ms/step, {p['kernels_per_step']} kernels, "
+              f"{p['bytes_per_step'] / 1e6:.1f} MB/step)",
+              f"             time to first token of an 8-token request: {1000 * p['ttft_idle_s']:.0f} ms idle, "
+              f"{1000 * p['ttft_loaded_s']:.0f} ms beside {p['parallel'] - 1} generations ({p['ttft_loaded_s'] / p['ttft_idle_s']:.2f}x)"]
   if "llama_cpp" in r:
     lc = r["llama_cpp"]
     lines += [f"  llama.cpp  prefill {lc['prefill_tps']:8.1f} tok/s   decode {lc['decode_tps']:7.2f} tok/s ({lc['ms_per_token']:.1f} ms/token), "
