@@ -15,10 +15,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-from tinygrad import Tensor, dtypes
 
-from tg_ds4.runner import FEED_TOKENS, GREEDY, MAX_TOP_LOGPROBS, TOP_LOGPROBS_BUCKETS, Runner, Step, _row_to_step
-from tg_ds4.sampling import SamplingParams
+from tg_ds4.runner import FEED_TOKENS, GREEDY, MAX_TOP_LOGPROBS, TOP_LOGPROBS_BUCKETS, Runner, Step, _row_to_step, reusable_prefix
+from tg_ds4.sampling import SamplingParams, rng
 
 
 @dataclass(frozen=True)
@@ -122,7 +121,7 @@ class Batcher:
     longest prefix with its prompt (the lowest slot on a tie) and prefills only past that prefix."""
     while self.queue and (free := self._free_slots()):
       rid, req, t = self.queue.popleft()
-      common = [_common(req.prompt, self.slot_tokens[i]) for i in free]
+      common = [reusable_prefix(req.prompt, self.slot_tokens[i]) for i in free]
       slot = free[int(np.argmax(common))]
       n, start = len(req.prompt), max(common)
       sizes, fed = self.runner._plan(n - start, FEED_TOKENS)
@@ -149,7 +148,7 @@ class Batcher:
       s.token, s.pos = s.req.prompt[s.fed_from], s.fed_from
       return []
     p, k = s.req.params, self._k([s.req])
-    sampling = () if p.greedy else (*p.tensors(), _rng(s.seed, 0))
+    sampling = () if p.greedy else (*p.tensors(), rng(s.seed, 0))
     tok = r._head(p.greedy, k)(out, *sampling)
     return self._emitted(s, tok.numpy()[0], k)
 
@@ -185,15 +184,3 @@ class Batcher:
     if done: del self.running[s.rid]
     else: s.token, s.pos = st.token, n + t.generated - 1
     return [Event(s.rid, st, done)]
-
-def _common(prompt: tuple[int, ...], cached: list[int]) -> int:
-  """Leading tokens of `prompt` the slot's cache holds, at most len(prompt) - 1 (the last prompt token always runs:
-  its logits give the first new token)."""
-  n = 0
-  for a, b in zip(prompt, cached):
-    if a != b: break
-    n += 1
-  return min(n, len(prompt) - 1)
-
-def _rng(seed: int, step: int) -> Tensor:
-  return Tensor([seed & 0xFFFFFFFF, step], dtype=dtypes.uint32)

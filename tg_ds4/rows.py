@@ -1,6 +1,6 @@
 """Where a forward's batch rows live in the caches: per row its cache slot and the position of its first token.
 
-A model loaded with several slots (runner.Runner.load(slots=N)) keeps N sequences' caches side by side, `[slots,
+A model loaded with several slots (runner.Runner.load(parallel=N): N slots and a scratch one) keeps N sequences' caches side by side, `[slots,
 rows, ...]`. A batched decode step runs one token of several sequences at once: the projections, FFNs, experts and head
 see the rows together (each weight is read once per step for all of them), and only what touches a cache (the cache
 write and the attention over it) runs per row, since each row has its own slot and its own position (symbolic, so one

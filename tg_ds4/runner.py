@@ -34,7 +34,7 @@ from tg_ds4.checkpoint import open_model
 from tg_ds4.gguf import GGUFFile
 from tg_ds4.jit import Jit
 from tg_ds4.rows import Rows
-from tg_ds4.sampling import SamplingParams, greedy, sample
+from tg_ds4.sampling import SamplingParams, greedy, rng, sample
 
 MAX_TOP_LOGPROBS = 20
 TOP_LOGPROBS_BUCKETS = (0, 5, MAX_TOP_LOGPROBS)  # k is rounded up to one of these and the extra entries dropped on the host
@@ -84,6 +84,15 @@ def _prefix_view(t: Tensor, axis: int, n: int) -> Buffer | None:
 
 def _row_to_step(row: np.ndarray, k: int, want: int) -> Step:
   return Step(int(row[0]), float(row[1]), tuple((int(row[2 + j]), float(row[2 + k + j])) for j in range(want)))
+
+def reusable_prefix(prompt, cached: list[int]) -> int:
+  """Leading tokens of `prompt` that `cached` holds, at most len(prompt) - 1: the last prompt token always runs again,
+  since its logits give the first new token."""
+  n = 0
+  for a, b in zip(prompt, cached):
+    if a != b: break
+    n += 1
+  return min(n, max(len(prompt) - 1, 0))
 
 GREEDY = SamplingParams()
 FEED_TOKENS = 12  # a prompt tail this short goes through the per-token step, not a padded prefill chunk (module docstring)
@@ -303,11 +312,7 @@ class Runner:
   def reusable(self, prompt: list[int]) -> int:
     """How many leading tokens of `prompt` the cache already holds, at most len(prompt) - 1: the last prompt token is
     always run again, since its logits give the first new token."""
-    n = 0
-    for a, b in zip(prompt, self.cached):
-      if a != b: break
-      n += 1
-    n = min(n, max(len(prompt) - 1, 0))
+    n = reusable_prefix(prompt, self.cached)
     # ring caches (DeepSeek V4) keep only the last rows: restarting further back than `max_rewind` from the furthest row
     # written (a padded prefill chunk may write PREFILL_CHUNK rows past the cached tokens) means prefilling from scratch
     if (rewind := self.model.max_rewind) is not None and len(self.cached) + self.model.PREFILL_CHUNK - n > rewind: return 0
@@ -330,7 +335,7 @@ class Runner:
     self._check(n - start_pos, start_pos)
     seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
     sp = params.tensors()
-    sampling = lambda step: () if params.greedy else (*sp, Tensor([seed & 0xFFFFFFFF, step], dtype=dtypes.uint32))
+    sampling = lambda step: () if params.greedy else (*sp, rng(seed, step))
     k = next(b for b in TOP_LOGPROBS_BUCKETS if b >= logprobs) if logprobs is not None else None  # few distinct k: few captured steps
     self.stats = st = Stats(prompt_tokens=n - start_pos)
     self.cached = list(prompt[:start_pos])  # rows past start_pos are about to be overwritten

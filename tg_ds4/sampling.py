@@ -56,6 +56,10 @@ def uniform(shape: tuple[int, ...], rng: Tensor) -> Tensor:
   x = x ^ (x >> 16)
   return ((x >> 8).cast(dtypes.float32) + 0.5) * (1.0 / (1 << 24))
 
+def rng(seed: int, step: int) -> Tensor:
+  """The `(2,)` uint32 (seed, step) input of `sample`: draw `step` of the stream `seed`."""
+  return Tensor([seed & 0xFFFFFFFF, step], dtype=dtypes.uint32)
+
 def greedy(logits: Tensor) -> Tensor:
   """logits `[B, V]` -> `[B, 1]` int32."""
   return logits.argmax(-1, keepdim=True).cast(dtypes.int32)
