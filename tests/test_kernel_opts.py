@@ -57,6 +57,59 @@ def test_gemv_keeps_lanes_and_core_split_without_row_upcast(name):
   lanes = kernel_opts.PACKED_MIN_LANES if name == "IQ2_XXS" else kernel_opts.LANES
   assert np.prod([ours.full_shape[a] for a in ours.axes_of(AxisType.UNROLL)]) >= lanes  # the lane accumulators
 
+@pytest.mark.parametrize("name,rows", [("Q4_1", 2), ("Q4_0", 3), ("Q8_0", 4)])
+def test_batched_gemv_upcasts_its_rows_and_splits_weight_rows_over_cores(name, rows):
+  """A packed GEMV over a few rows of x (a batched decode step): every row in registers (each unpacked weight value feeds
+  all of them) and the split over cores along the weight's rows, never the x rows (each core would unpack the whole
+  weight); the lane accumulators stay. 8 rows (above GEMV_ROWS) are the heuristic's again."""
+  w = packed(name, 4096, 1024)
+  k = weight_kernel(schedulers(linear(Tensor.ones(rows, 1, 1024).contiguous().realize(), w)))
+  ours = kernel_opts.cpu_heuristic(k.copy())
+  idx = kernel_opts.weight_operand(ours).src[1].get_idx().backward_slice
+  up = [a for a in ours.axes_of(AxisType.UPCAST) if ours.rngs[a] not in idx]
+  assert np.prod([ours.full_shape[a] for a in up]) == rows, ours.applied_opts
+  threads = [a for a in ours.axes_of(AxisType.THREAD)]
+  assert threads and all(ours.rngs[a] in idx for a in threads), ours.applied_opts
+  assert np.prod([ours.full_shape[a] for a in ours.axes_of(AxisType.UNROLL)]) >= kernel_opts.LANES
+  k8 = weight_kernel(schedulers(linear(Tensor.ones(8, 1, 1024).contiguous().realize(), w)))
+  assert kernel_opts._rows_first(k8) is k8
+
+_GEMV_4_ROWS = """
+import sys, numpy as np
+from tinygrad import Device, Tensor
+from tg_ds4.backend import prepare_device
+from tg_ds4.quant import QTYPE_BY_NAME, QTensor, linear
+prepare_device("CPU")
+rng, qt = np.random.default_rng(0), QTYPE_BY_NAME["Q4_1"]
+blocks = rng.integers(0, 256, (256, 512 // qt.block, qt.nbytes), dtype=np.uint8)
+blocks[..., :4] = np.frombuffer(np.full((256, 512 // qt.block, 2), 0.01, np.float16).tobytes(), np.uint8).reshape(256, -1, 4)
+x = Tensor(rng.standard_normal((4, 1, 512), dtype=np.float32))
+np.save(sys.argv[1], linear(x, QTensor(Tensor(blocks), qt, (256, 512))).numpy())
+print(" ".join(Device["CPU"].renderer.compiler.args))
+"""
+
+def test_batched_gemv_compiles_with_the_vectorizer_cap_and_the_same_sums(tmp_path):
+  """The CPU compiler gets `-mllvm -slp-max-vf` where clang takes it (once, under a cache key of its own); a 4-row packed
+  GEMV compiled with and without it gives bitwise the same outputs (the cap picks instructions, it reorders nothing)."""
+  import os, subprocess, sys
+  from tg_ds4.backend.cpu import compiler
+  from tinygrad.runtime.support.compiler_cpu import ClangCompiler
+  if not compiler._accepted(os.environ.get("CC", "clang"), compiler.FLAGS): pytest.skip("this C compiler does not take -mllvm -slp-max-vf")
+  c = ClangCompiler.__new__(ClangCompiler)
+  compiler._clang_init(c, ["x86_64", "native"])  # as tinygrad makes one
+  key = c.cachekey
+  compiler.add_flags(c); compiler.add_flags(c)
+  assert c.args.count(compiler.FLAGS[1]) == 1 and c.cachekey != key
+  assert ClangCompiler(["x86_64", "native"]).args == c.args  # made after install(): as a compile worker makes its own
+  outs = []
+  for cap in ("0", "16"):
+    r = subprocess.run([sys.executable, "-c", _GEMV_4_ROWS, str(tmp_path / f"{cap}.npy")], env=os.environ | {"TG_DS4_SLP_MAX_VF": cap},
+                       capture_output=True, text=True, check=True)
+    assert ("-slp-max-vf=16" in r.stdout) == (cap == "16"), r.stdout
+    outs.append(np.load(tmp_path / f"{cap}.npy"))
+  assert np.isfinite(outs[0]).all() and np.abs(outs[0]).max() > 0
+  np.testing.assert_array_equal(outs[0], outs[1])
+
 def test_addresses_put_the_reduce_loop_last():
   # a + r*34 + b + 1 with r a reduce loop -> a + b + r*34 + 1 (the rewrite the CPU renderer runs, `_ADDRESSES`)
   g, r = UOp.range(8, 1, AxisType.LOOP).cast(dtypes.int), UOp.range(128, 0, AxisType.REDUCE).cast(dtypes.int)

@@ -29,6 +29,7 @@ try:
   from tinygrad.engine.realize import ExecContext, _resolve, estimate_uop, get_call_arg_uops, get_runtime, pm_exec, track_stats  # noqa: F401
   from tinygrad.renderer.cstyle import ClangRenderer  # noqa: F401
   from tinygrad.runtime.ops_cpu import MAX_ARGS, CPUProgram  # noqa: F401
+  from tinygrad.runtime.support.compiler_cpu import ClangCompiler  # noqa: F401
   _CPU_IMPORT_ERROR: str | None = None
 except (ImportError, AttributeError) as e:  # another release moved something
   _CPU_IMPORT_ERROR = str(e)

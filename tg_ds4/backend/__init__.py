@@ -39,13 +39,16 @@ def affine_gemv(device: str) -> bool:
 
 def prepare_device(device: str) -> None:
   """Before anything is lowered for `device`: our kernel heuristic (backend/cpu/kernel_opts.py on CPU renderers, the
-  CPU device or NULL lowering for it; backend/gpu/kernel_opts.py's packed GEMVs on GPU renderers), unless compat.py
-  says it stays off."""
+  CPU device or NULL lowering for it; backend/gpu/kernel_opts.py's packed GEMVs on GPU renderers) and, where clang
+  compiles the kernels, its vectorizer's cap (backend/cpu/compiler.py), unless compat.py says they stay off."""
   ren = Device[device].renderer
   cpu, gpu = getattr(ren, "has_threads", False), ren.has_local and ren.has_shared  # (NULL's generic renderer is neither)
   if (cpu or gpu) and compat.kernel_opts_on():
     from tg_ds4.backend.cpu import kernel_opts  # CPU GEMVs keep their lane accumulators without a row upcast (see kernel_opts)
     kernel_opts.install()
+  if cpu and compat.kernel_opts_on() and isinstance(ren.compiler, compat.ClangCompiler):
+    from tg_ds4.backend.cpu import compiler  # a batched GEMV's accumulators vectorized per row (see compiler.py)
+    compiler.add_flags(ren.compiler)
 
 def prepare_model(model, device: str, llama_cpp_activations: bool) -> None:
   """After the weights are loaded: on the CPU, dense weights in formats its code handles slowly re-encoded with the same

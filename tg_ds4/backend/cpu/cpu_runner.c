@@ -2,8 +2,10 @@
 
    tinygrad splits a large CPU kernel into `parts` calls that differ only in their `core_id` argument (the THREAD
    opt); its synchronous CPU executor makes those calls one after another from Python. Here the main thread and
-   nthreads-1 workers share each split kernel's parts, meeting at a spin barrier after it; unsplit kernels run on
-   the main thread alone. Kernels are called as tinygrad's own CPU worker calls them: through one 63-argument
+   nthreads-1 workers share each split kernel's parts, meeting at a spin barrier after it. A wave (consecutive unsplit
+   kernels that touch no bytes another of them writes, found by replay.py: a batched step's per-row attention kernels)
+   is shared the same way, each thread running whole kernels of it; any other unsplit kernel runs on the main thread
+   alone. Kernels are called as tinygrad's own CPU worker calls them: through one 63-argument
    prototype, every argument a 64-bit word (unused trailing words are ignored by the callee). */
 #include <pthread.h>
 #include <sched.h>
@@ -17,7 +19,8 @@ typedef void (*kernel_fn)(U8, U8, U8, U8, U8, U8, U8, U, U, U, U, U, U, U);
 
 typedef struct {
   kernel_fn fn;
-  int32_t nargs, parts, core_slot, _pad;  /* core_slot: argument index of core_id, -1 when the kernel is not split */
+  int32_t nargs, parts, core_slot;        /* core_slot: argument index of core_id, -1 when the kernel is not split */
+  int32_t wave;                           /* > 1: this op and the wave - 1 after it run at once (each unsplit) */
   uint64_t args[MAX_ARGS];                /* fixed words: buffer addresses */
   int16_t slot[MAX_ARGS];                 /* >= 0: the word is slots[slot[i]] of this run (inputs, symbolic values) */
 } op_t;
@@ -59,7 +62,8 @@ static void *worker(void *p) {
     int64_t i = __atomic_load_n(&r->cur, __ATOMIC_RELAXED);
     if (i < 0) return 0;
     const op_t *op = &r->ops[i];
-    for (int part = w->tid; part < op->parts; part += r->nthreads) exec_part(op, r->slots, part);
+    if (op->wave > 1) for (int k = w->tid; k < op->wave; k += r->nthreads) exec_part(op + k, r->slots, 0);
+    else for (int part = w->tid; part < op->parts; part += r->nthreads) exec_part(op, r->slots, part);
     __atomic_fetch_add(&r->done, 1, __ATOMIC_ACQ_REL);
   }
 }
@@ -71,7 +75,7 @@ int tg_ds4_run(const op_t *ops, int32_t n, const uint64_t *slots, int32_t nthrea
   pthread_t th[MAX_THREADS];
   worker_arg wa[MAX_THREADS];
   int status = 0, split = 0;
-  for (int i = 0; i < n; i++) split |= ops[i].parts > 1;
+  for (int i = 0; i < n; i++) split |= ops[i].parts > 1 || ops[i].wave > 1;
   if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
   for (int t = 1; split && t < nthreads; t++) {
     wa[t] = (worker_arg){&r, t};
@@ -80,14 +84,17 @@ int tg_ds4_run(const op_t *ops, int32_t n, const uint64_t *slots, int32_t nthrea
   }
   for (int i = 0; i < n; i++) {
     const op_t *op = &ops[i];
-    if (op->parts == 1 || r.nthreads == 1) {
+    if ((op->parts == 1 && op->wave <= 1) || r.nthreads == 1) {
       for (int part = 0; part < op->parts; part++) exec_part(op, slots, part);
       continue;
     }
     __atomic_store_n(&r.cur, i, __ATOMIC_RELAXED);
     __atomic_store_n(&r.done, 0, __ATOMIC_RELAXED);
     __atomic_fetch_add(&r.seq, 1, __ATOMIC_RELEASE);
-    for (int part = 0; part < op->parts; part += r.nthreads) exec_part(op, slots, part);
+    if (op->wave > 1) {
+      for (int k = 0; k < op->wave; k += r.nthreads) exec_part(op + k, slots, 0);
+      i += op->wave - 1;
+    } else for (int part = 0; part < op->parts; part += r.nthreads) exec_part(op, slots, part);
     unsigned spins = 0;
     while (__atomic_load_n(&r.done, __ATOMIC_ACQUIRE) != r.nthreads - 1) relax(&spins);
   }

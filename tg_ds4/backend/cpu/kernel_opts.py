@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from tinygrad import dtypes
 
+from tg_ds4.backend.cpu import compiler
 from tg_ds4.backend.gpu import kernel_opts as gpu_kernel_opts
 from tg_ds4.backend.gpu.kernel_opts import NESTED, weight_operand
 from tg_ds4.compat import AxisType, ClangRenderer, KernelOptError, Opt, OptOps, Ops, PatternMatcher, Scheduler, UOp, UPat, codegen, heuristic, \
@@ -37,6 +38,7 @@ LANES = 16
 # upcast: 8 accumulators per row fill a 256-bit vector (V4's IQ2_XXS experts ~2x faster, /tmp microbench)
 PACKED_MIN_LANES = 8
 GEMV_SMALL_AXIS, GEMV_MAX_UNROLL = 4, 32  # layout axes up to this size are unrolled in a GEMV, up to this many products
+GEMV_ROWS = 4  # rows of x a packed GEMV holds in registers at once: 4 x LANES accumulators, half of AVX2's 16 vector registers
 
 @functools.cache
 def _cpu_flags() -> str:
@@ -155,9 +157,24 @@ def _transposing_unpack(k: Scheduler) -> Scheduler | None:
   except KernelOptError: return None
   return alt
 
+def _rows_first(k: Scheduler) -> Scheduler:
+  """A packed GEMV over a few rows of x (a batched decode step, rows.py): the rows' axis upcast whole before the
+  heuristic's own choices, so each unpacked weight value feeds every row from registers and the split over the cores
+  goes to the weight's rows. Left to itself the heuristic upcasts only axes of 3 or 4 and splits the first axis it can
+  over the cores: 2 rows of smollm2's gate|up then ran one row per core, each core unpacking the whole weight (1.1 ms,
+  against 0.39 ms for 4 rows upcast). Kernels without such an axis (every one-token kernel) are untouched."""
+  if k.reduceop is None or not k.unrollable_dims or (weight := weight_operand(k)).src[0].dtype.itemsize != 1: return k
+  idx = weight.src[1].get_idx().backward_slice
+  rows = [a for a in k.upcastable_dims if k.rngs[a] not in idx and isinstance(n := k.full_shape[a], int) and 1 < n <= GEMV_ROWS]
+  if len(rows) != 1: return k
+  alt = k.copy()
+  try: alt.apply_opt(Opt(OptOps.UPCAST, rows[0], 0))
+  except KernelOptError: return k
+  return alt
+
 def rules(k: Scheduler) -> Scheduler:
   """Our choices for a CPU kernel of any shape (tinygrad's heuristic where no rule applies)."""
-  return _gemm(k) or _transposing_unpack(k) or _unroll_lanes(_lanes_first(k, _hand_coded(k)))
+  return _gemm(k) or _transposing_unpack(k) or _unroll_lanes(_lanes_first(k, _hand_coded(_rows_first(k))))
 
 def cpu_heuristic(k: Scheduler) -> Scheduler:
   """`rules` on CPU renderers, backend/gpu/kernel_opts.py's packed GEMVs on the others. Should a rule still fail on a
@@ -241,6 +258,7 @@ def install():
   initializer, whose name then names ours, killing the pool's worker thread: the next compile waited forever."""
   if heuristic.hand_coded_optimizations is not cpu_heuristic: worker.terminate_worker_pool()
   heuristic.hand_coded_optimizations = cpu_heuristic
+  compiler.install()
   codegen.memory_coalescing = _memory_coalescing
   worker._init_worker = _init_worker
   ClangRenderer.extra_matcher = _clang_extra + _ADDRESSES

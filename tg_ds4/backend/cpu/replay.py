@@ -26,7 +26,7 @@ def engine_threads() -> int:
 
 class _Op(ctypes.Structure):  # op_t in cpu_runner.c
   _fields_ = [("fn", ctypes.c_void_p), ("nargs", ctypes.c_int32), ("parts", ctypes.c_int32), ("core_slot", ctypes.c_int32),
-              ("_pad", ctypes.c_int32), ("args", ctypes.c_uint64 * MAX_ARGS), ("slot", ctypes.c_int16 * MAX_ARGS)]
+              ("wave", ctypes.c_int32), ("args", ctypes.c_uint64 * MAX_ARGS), ("slot", ctypes.c_int16 * MAX_ARGS)]
 
 @functools.cache
 def _runner():
@@ -46,14 +46,32 @@ def _runner():
 
 def _is_input(b: UOp) -> bool: return b.op is Ops.PARAM or any(_is_input(s) for s in b.src if b.op in (Ops.MSELECT, Ops.SHRINK, Ops.MSTACK))
 
-def _address(b: UOp, dev: str) -> int:
-  """A kernel argument's address. The memory plan's views (a BITCAST of a SHRINK of its byte arena, by constants) are
-  the arena's address plus the offset; anything else goes through tinygrad (`UOp.buffer` builds each view with a graph
-  rewrite, ~0.4 s over a step's thousand arguments on its first call)."""
+def _extent(b: UOp, dev: str) -> tuple[int, int]:
+  """A kernel argument's address and size in bytes. The memory plan's views (a BITCAST of a SHRINK of its byte arena,
+  by constants) are the arena's address plus the offset; anything else goes through tinygrad (`UOp.buffer` builds
+  each view with a graph rewrite, ~0.4 s over a step's thousand arguments on its first call)."""
   v = b.src[0] if b.op is Ops.BITCAST else b
-  if v.op is Ops.SHRINK and (base := v.src[0]).op is Ops.BUFFER and v.src[1].op is Ops.CONST and isinstance(off := v.src[1].arg, int):
-    return base.buffer.ensure_allocated().get_buf(dev).va_addr + off * base.dtype.itemsize
-  return b.buffer.ensure_allocated().get_buf(dev).va_addr
+  if v.op is Ops.SHRINK and (base := v.src[0]).op is Ops.BUFFER and all(s.op is Ops.CONST and isinstance(s.arg, int) for s in v.src[1:3]):
+    return base.buffer.ensure_allocated().get_buf(dev).va_addr + v.src[1].arg * base.dtype.itemsize, v.src[2].arg * base.dtype.itemsize
+  buf = b.buffer.ensure_allocated()
+  return buf.get_buf(dev).va_addr, buf.nbytes
+
+def _waves(touched: list[tuple[list, list]], parts: list[int]) -> list[int]:
+  """For each kernel, how many kernels from it on form a wave (cpu_runner.c): consecutive unsplit kernels none of which
+  writes bytes another of them reads or writes, so they may run at once in any order. `touched`: per kernel, what it
+  reads and what it writes, each a list of (address, size), or of a JIT input's key (size None: the same key is the
+  same buffer). 1 for a kernel that starts no wave (and for the rest of a wave)."""
+  def meet(a, b) -> bool:
+    if a[1] is None or b[1] is None: return a[1] is None and b[1] is None and a[0][0] is b[0][0] and a[0][1] == b[0][1]
+    return a[0] < b[0] + b[1] and b[0] < a[0] + a[1]
+  def clash(a, b) -> bool: return any(meet(w, o) for w in a[1] for o in b[0] + b[1]) or any(meet(w, o) for w in b[1] for o in a[0] + a[1])
+  out, i = [1] * len(parts), 0
+  while i < len(parts):
+    j = i + 1
+    if parts[i] == 1:
+      while j < len(parts) and parts[j] == 1 and not any(clash(touched[j], touched[m]) for m in range(i, j)): j += 1
+    out[i], i = j - i, j
+  return out
 
 @dataclass
 class _Segment:
@@ -87,11 +105,13 @@ class FastCPUReplay(CapturedJit):
       def slot(key) -> int:
         if key not in slots: slots.append(key)
         return slots.index(key)
-      ops, ops_est, mem_est = (_Op * len(pending))(), _Estimate(), _Estimate()
+      ops, ops_est, mem_est, touched = (_Op * len(pending))(), _Estimate(), _Estimate(), []
       for op, (call, rt, dev) in zip(ops, pending):
         info, arg_uops = call.src[0].arg, get_call_arg_uops(call)
+        extents = {i: ((b, dev), None) if _is_input(b := arg_uops[i]) else _extent(b, dev) for i in info.globals}
+        touched.append(([extents[i] for i in info.ins if i in extents], [extents[i] for i in info.outs if i in extents]))
         # an int is a fixed word (a buffer address; 0 holds core_id's place), anything else the key of a per-call slot
-        words: list = [(b, dev) if _is_input(b := arg_uops[i]) else _address(b, dev) for i in info.globals]
+        words: list = [extents[i][0] for i in info.globals]
         words += [0 if v.expr in info.runtimevars else v.expr for v in info.vars]
         op.fn, op.nargs, op.parts = rt.addr, len(words), int(info.global_size[0])
         op.core_slot = rt.runtimevars.get("core_id", -1)
@@ -100,6 +120,7 @@ class FastCPUReplay(CapturedJit):
           else: op.slot[i] = slot(w)
         est = estimate_uop(call)
         ops_est.add(est.ops); mem_est.add(est.mem)
+      for op, wave in zip(ops, _waves(touched, [op.parts for op in ops])): op.wave = wave
       plan.append(_Segment(ops, slots, len(pending), ops_est, mem_est))
       pending.clear()
     for call in self.linear.src:
