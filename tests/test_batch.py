@@ -89,6 +89,39 @@ def test_greedy_rows_without_logprobs(requests, alone, batcher):
   assert [[s.token for s in g] for g in got] == [[s.token for s in a] for a in alone(reqs)]
   assert all(s.logprob is None for g in got for s in g)
 
+def test_slot_rows_save_and_restore(requests, alone, batcher):
+  """A slot's cache rows (serve's disk KV cache, per slot): the rows of a prompt read from slot 1 equal those the
+  single-sequence runner wrote for it (to float rounding: the prompt tail ran in batched steps); written into slot 0,
+  which meanwhile held another prompt, through the Batcher's restore hook, the request answers as alone without
+  prefilling them again."""
+  import numpy as np
+  q, other = Request(requests[3].prompt, 4, logprobs=5), Request(requests[9].prompt, 2)  # prompts of > FEED_TOKENS tokens
+  single = Runner.load(DS3, max_ctx=CTX)
+  list(single.steps(list(q.prompt), 1))
+  ref = dict(single.kv_rows(len(q.prompt)))
+  b, slots = Batcher(batcher.runner), {}
+  ids = [b.submit(q), b.submit(q)]
+  while b.busy: slots.update({e.rid: e.slot for e in b.step() if e.cached is not None})
+  assert [slots[i] for i in ids] == [0, 1]
+  rows = dict(b.runner.kv_rows(len(q.prompt), 1))
+  assert rows.keys() == ref.keys() and all(rows[k].shape == ref[k].shape for k in ref)
+  worst = max(float(np.abs(rows[k].astype(np.float64) - ref[k]).max() / np.abs(ref[k]).max()) for k in ref)
+  assert worst < 1e-5, worst
+  b.slot_tokens = [[] for _ in range(b.slots)]
+  b.run([other])  # slot 0 now holds another prompt's rows
+  b.slot_tokens = [[] for _ in range(b.slots)]  # nothing in memory to reuse: only what the hook restores
+  def restore(prompt, slot, start):
+    assert slot == 0 and start == 0
+    b.runner.load_kv_rows(list(prompt[:-1]), rows, slot)
+    return len(prompt) - 1
+  b.restore, got = restore, []
+  b.submit(q)
+  while b.busy:
+    for e in b.step():
+      if e.cached is not None: assert e.cached == len(q.prompt) - 1 and e.slot == 0
+      if e.step is not None: got.append(e.step)
+  _assert_same(alone([q]), [got], "restored")
+
 def test_deepseek4_refuses_slots_in_one_line():
   with pytest.raises(ValueError, match="deepseek4 runs one sequence at a time"):
     Runner.load(pathlib.Path(__file__).parent / "fixtures" / "deepseek4" / "flash" / "flash-MXFP4.gguf", max_ctx=64, parallel=2)

@@ -25,6 +25,8 @@ def tg(*args, timeout=600):
   (["generate", "-m", DS3, "-p", "hi", "--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
   (["generate", "-m", str(FIX), "-p", "hi"], "is a directory without config.json, expected a .gguf file or a Hugging Face checkpoint folder"),
   (["serve", "-m", DS4, "--kv-cache-dir", "unused-kv-dir", "--port", "1"], "is a deepseek4 model, whose caches"),
+  (["serve", "-m", DS4, "--parallel", "2", "--port", "1"], "is a deepseek4 model, which runs one sequence at a time"),
+  (["serve", "-m", DS3, "--parallel", "9", "--port", "1"], "--parallel must be in [1, 8]"),
   (["generate", "-m", DS3, "-p", "hi", "--quantize", "q4_0"], "--quantize applies to checkpoint folders; a GGUF file is used as it is"),
   (["generate", "-m", str(FIX / "gpt2/gpt2-Q8_0.gguf"), "-p", "hi", "--max-context", "300"],
    "learned positions (position_embd) for 128 tokens, a context of 300 was asked for"),

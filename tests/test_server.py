@@ -198,7 +198,8 @@ def test_concurrent_clients_get_their_own_answers(server):
     return [(p, _complete(c, p, 6)) for p in (prompts[(i + j) % len(prompts)] for j in range(4))]
   with ThreadPoolExecutor(16) as ex: got = [r for rs in ex.map(client, range(16)) for r in rs]
   assert len(got) == 64 and all(text == expected[p] for p, text in got)
-  assert server.health()["queued"] == 0
+  h = server.health()
+  assert h["queued"] == 0 and h["slots"] == 4 and h["peak_running"] == 4, h  # serve's default: 4 slots, all used together
 
 def test_disconnected_stream_frees_the_worker_within_one_token(server):
   # (both prompts make this model write ~240 tokens before any end-of-text token, so a cut is always mid-answer)
@@ -442,6 +443,40 @@ def test_full_queue_answers_429_with_retry_after(tok):
     assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
     assert (await http.get("/health")).status_code == 503  # not ready: the worker never started
   _run(app, go)
+
+def test_slots_queue_429_and_cancel(model):
+  """A worker with 2 slots and a queue of 1: two requests run together, a third waits, a fourth is refused (QueueFull:
+  the 429); a cancelled running request leaves within a token, a request cancelled while queued never runs, and the
+  slot serves the next request, which answers as the same request alone."""
+  from tg_ds4.runner import Runner
+  from tg_ds4.server.worker import Done, QueueFull, Started, Worker
+  runner = Runner.load(GGUFFile(model), max_ctx=CTX, parallel=2)
+  alone = list(runner.generate([9, 8, 7, 6], 6))
+  w = Worker(lambda: (runner, None), max_queue=1).start().wait_loaded()
+  async def events_of(job, until=Done):
+    out = []
+    while not out or not isinstance(out[-1], until): out.append(await asyncio.wait_for(job.events.get(), 120))
+    return out
+  async def go():
+    loop = asyncio.get_running_loop()
+    job = lambda p, n: Job(p, n, SamplingParams(), frozenset(), loop=loop)
+    a, b, c = job([1, 2, 3], 200), job([4, 5, 6], 200), job([7, 8], 5)
+    w.submit(a); await events_of(a, Started)
+    w.submit(b); await events_of(b, Started)
+    w.submit(c)
+    assert w.status()["running"] == 2 and w.status()["queued"] == 1
+    with pytest.raises(QueueFull): w.submit(job([9], 1))
+    c.cancel(); a.cancel()
+    assert (await events_of(a))[-1].reason == "cancelled" and (await events_of(c))[-1].reason == "cancelled"
+    assert w.last_cancel["generated"] == 0 and c.generated == 0  # c, cancelled while queued, never ran
+    assert a.generated - a.cancel_at <= 1 and a.generated < 200
+    d = job([9, 8, 7, 6], 6)
+    w.submit(d)
+    got = [e.token for e in await events_of(d) if hasattr(e, "token")]
+    b.cancel(); await events_of(b)
+    return got
+  assert asyncio.run(go()) == alone
+  assert w.status()["failed"] == 0 and w.status()["peak_running"] == 2
 
 # *** KV store files ***
 

@@ -9,6 +9,7 @@ import sys
 
 from tg_ds4.gguf import GGUFError
 
+DEFAULT_PARALLEL = 4  # serve's cache slots: requests generated together (llama.cpp's server has --parallel too)
 
 class UsageError(ValueError):
   """Bad command-line input: reported as one line, exit 2."""
@@ -205,9 +206,17 @@ def cmd_serve(args) -> int:
   if min(args.max_queue, args.max_body_bytes, args.max_json_depth, args.max_connections, args.max_parsing) < 1:
     raise UsageError("--max-queue, --max-body-bytes, --max-json-depth, --max-connections, --max-parsing: >= 1")
   if not (args.head_timeout > 0 and args.body_timeout > 0): raise UsageError("--head-timeout, --body-timeout: > 0 seconds")
+  from tg_ds4.arch import ARCHS
+  from tg_ds4.runner import BATCHES
+  if args.parallel is not None and not 1 <= args.parallel <= BATCHES[-1]: raise UsageError(f"--parallel must be in [1, {BATCHES[-1]}]")
+  gf = _open(args)
+  if (a := ARCHS.get(gf.arch)) is not None and not a.model.SLOTS:
+    if args.parallel not in (None, 1):
+      raise UsageError(f"--parallel {args.parallel}: {gf.path.name} is a {gf.arch} model, which runs one sequence at a time "
+                       f"(its ring caches have no slots yet); serve it with --parallel 1")
+    args.parallel = 1
+  args.parallel = args.parallel or DEFAULT_PARALLEL
   if args.kv_cache_dir:
-    from tg_ds4.arch import ARCHS
-    gf = _open(args)
     if (a := ARCHS.get(gf.arch)) is not None and not a.model.PREFIX_ROWS:
       raise UsageError(f"--kv-cache-dir: {gf.path.name} is a {gf.arch} model, whose caches (rings and compressor state) cannot be saved "
                        f"as a prefix's rows; serve it without --kv-cache-dir (prefixes are still reused in memory)")
@@ -332,7 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--port", type=int, default=8000)
   s.add_argument("--max-context", type=int, default=0, help="KV cache length (default 4096, or the model's context if smaller; "
                                                                "past the model's: a warning)")
-  s.add_argument("--max-queue", type=int, default=64, help="requests waiting for the worker before new ones get 429 (default 64)")
+  s.add_argument("--parallel", type=int, default=None, metavar="N",
+                 help=f"requests generated at once, each in its own cache slot (default {DEFAULT_PARALLEL}; 1 for deepseek4, which has no "
+                      f"slots yet); more wait in the queue")
+  s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before new ones get 429 (default 64)")
   s.add_argument("--kv-cache-dir", metavar="DIR", help="persist prompt KV caches here and reuse them across restarts")
   s.add_argument("--kv-cache-size", default="2G", help="size cap of --kv-cache-dir, least recently used files evicted (default 2G)")
   s.add_argument("--kv-cache-min-tokens", type=int, default=256, help="save the KV state of prompts of at least this many tokens (default 256)")

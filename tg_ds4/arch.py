@@ -27,6 +27,7 @@ class Model(Protocol):
   max_rewind: int | None            # a run may start at most this far before the furthest row written; None: anywhere
   PREFIX_ROWS: bool                 # cache_tensors() exists: a prefix's cache rows can be saved (serve --kv-cache-dir)
   slots: int                        # sequences whose caches sit side by side (rows.py); a batched step needs > 1
+  SLOTS: bool                       # whether the model can be loaded with slots > 1
 
   def forward(self, tokens: Tensor | UOp, start_pos: int | UOp, last_only: bool = False, select: Tensor | None = None) -> Tensor:
     """tokens `[1, T]` (or one token as a bound variable) at positions start_pos.. -> logits `[1, T, vocab]`; the
@@ -38,8 +39,8 @@ class Model(Protocol):
   def check_resume(self, start_pos: int) -> None:
     """Raise ValueError unless the caches hold what a run starting at `start_pos` needs."""
     ...
-  def cache_tensors(self) -> list[tuple[str, Tensor, int]]:
-    """(name, tensor, row axis) of every cache tensor whose rows [0:n] are the state after n tokens."""
+  def cache_tensors(self, slot: int = 0) -> list[tuple[str, Tensor, int]]:
+    """(name, tensor, row axis) of every cache tensor of `slot` whose rows [0:n] are the state after n tokens."""
     ...
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os, time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,13 +52,19 @@ class _Seq:
 @dataclass(frozen=True)
 class Event:
   rid: int
-  step: Step | None     # a generated token; None when the request ended without one (cancelled)
+  step: Step | None     # a generated token; None on admission, or when the request ended without one (cancelled)
   finished: bool
+  slot: int = -1        # the request's cache slot (-1: it never had one)
+  cached: int | None = None  # on admission: the prompt tokens whose cache rows it reuses
+
+Restore = Callable[[tuple[int, ...], int, int], int]
 
 class Batcher:
-  def __init__(self, runner: Runner):
+  """`restore(prompt, slot, start)`, if given, is asked on each admission whether it can put a longer prefix of the prompt
+  into the slot's cache than the `start` tokens it holds (a saved prefix on disk); it returns how many it holds then."""
+  def __init__(self, runner: Runner, restore: Restore | None = None):
     if runner.parallel < 2: raise ValueError("a Batcher needs a runner loaded with parallel > 1")
-    self.runner, self.slots = runner, runner.parallel
+    self.runner, self.slots, self.restore = runner, runner.parallel, restore
     self.slot_tokens: list[list[int]] = [[] for _ in range(self.slots)]  # per slot: token ids whose cache rows are valid
     self.queue: deque[tuple[int, Request, float]] = deque()
     self.running: dict[int, _Seq] = {}   # admission order
@@ -95,8 +102,9 @@ class Batcher:
   # *** one engine step
 
   def step(self) -> list[Event]:
+    """One engine step; its events in order: requests that ended cancelled, requests admitted onto slots, tokens."""
     events = self._drop_cancelled()
-    self._admit()
+    events += self._admit()
     if (pre := next((s for s in self.running.values() if s.chunks), None)) is not None: events += self._chunk(pre)
     rows = [s for s in self.running.values() if not s.chunks]
     if rows: events += self._decode(rows)
@@ -105,7 +113,7 @@ class Batcher:
   def _drop_cancelled(self) -> list[Event]:
     events = []
     for rid in self._cancelled:
-      if self.running.pop(rid, None) is not None: events.append(Event(rid, None, True))
+      if (s := self.running.pop(rid, None)) is not None: events.append(Event(rid, None, True, s.slot))
       elif any(q[0] == rid for q in self.queue):
         self.queue = deque(q for q in self.queue if q[0] != rid)
         events.append(Event(rid, None, True))
@@ -116,14 +124,18 @@ class Batcher:
     used = {s.slot for s in self.running.values()}
     return [i for i in range(self.slots) if i not in used]
 
-  def _admit(self) -> None:
+  def _admit(self) -> list[Event]:
     """Queued requests onto free slots, first come first served; each takes the free slot whose cache shares the
     longest prefix with its prompt (the lowest slot on a tie) and prefills only past that prefix."""
+    events = []
     while self.queue and (free := self._free_slots()):
       rid, req, t = self.queue.popleft()
       common = [reusable_prefix(req.prompt, self.slot_tokens[i]) for i in free]
       slot = free[int(np.argmax(common))]
       n, start = len(req.prompt), max(common)
+      if self.restore is not None:
+        self.slot_tokens[slot] = self.slot_tokens[slot][:start]  # what the restore may overwrite is no longer known
+        start = self.restore(req.prompt, slot, start)
       sizes, fed = self.runner._plan(n - start, FEED_TOKENS)
       self.slot_tokens[slot] = list(req.prompt[:start])
       seed = req.params.seed if req.params.seed is not None else int.from_bytes(os.urandom(4), "little")
@@ -131,6 +143,8 @@ class Batcher:
       if not sizes: s.token, s.pos = req.prompt[start], start
       self.running[rid] = s
       self.timings[rid] = s.timing
+      events.append(Event(rid, None, False, slot, start))
+    return events
 
   def _k(self, reqs: list[Request]) -> int | None:
     want = [r.logprobs for r in reqs if r.logprobs is not None]
@@ -183,4 +197,4 @@ class Batcher:
     done = st.token in s.req.stop or t.generated >= max_new
     if done: del self.running[s.rid]
     else: s.token, s.pos = st.token, n + t.generated - 1
-    return [Event(s.rid, st, done)]
+    return [Event(s.rid, st, done, s.slot)]

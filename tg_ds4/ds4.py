@@ -460,6 +460,7 @@ class DS4Transformer:
   MAX_FORWARD_TOKENS: int | None = PREFILL_CHUNK
   max_rewind: int | None = PREFILL_CHUNK
   PREFIX_ROWS = False  # see cache_tensors
+  SLOTS = False        # its ring caches and compressor state have no slot axis yet
   slots = 1            # one sequence: the ring caches have no slots (rows.py)
 
   def __init__(self, cfg: DS4Config):
@@ -512,5 +513,5 @@ class DS4Transformer:
       raise ValueError(f"deepseek4 cannot resume at position {start_pos}: its ring caches no longer hold the {self.cfg.window} positions "
                        f"before it (resuming works up to {self.max_rewind} positions back); prefill from position 0")
 
-  def cache_tensors(self):
+  def cache_tensors(self, slot: int = 0):
     raise NotImplementedError("deepseek4 caches are rings and pending compressor state, not rows [0:n] of a prefix: no prefix save/restore")

@@ -15,7 +15,7 @@ from tinygrad import Tensor, UOp, dtypes
 
 from tg_ds4 import backend
 from tg_ds4.actquant import round_activations
-from tg_ds4.compat import Buffer, BufferSpec, Ops, _from_np_dtype, _to_np_dtype, prod
+from tg_ds4.compat import Buffer, BufferSpec, Ops, _from_np_dtype, _to_np_dtype, copy_in, prod
 from tg_ds4.gguf import GGUFError, GGUFFile
 from tg_ds4.precision import matmul_dtype
 from tg_ds4.quant import LANES_MAX_ROWS, QTensor, Weight, as_tensor, linear, panel_gemm
@@ -76,7 +76,7 @@ def host_tensor(a: np.ndarray, device: str) -> Tensor:
   schedules one, ~10 ms each, and a load makes dozens)."""
   a = np.ascontiguousarray(a)
   buf = Buffer(device, a.size, _from_np_dtype(a.dtype)).ensure_allocated()
-  buf.copy_from(Buffer("PYTHON", a.size, buf.dtype, opaque=memoryview(a.reshape(-1)).cast("B")))
+  copy_in(buf, memoryview(a.reshape(-1)).cast("B"))
   return Tensor(UOp.from_buffer(buf)).reshape(a.shape)
 
 UPLOAD_PIECE = 64 << 20  # host bytes per copy onto a device: a load never holds a host copy of a whole weight or cache

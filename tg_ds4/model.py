@@ -78,6 +78,7 @@ class Transformer:
   PREFIX_ROWS = True
   max_rewind: int | None = None          # a run may start at any cached position
   slots = 1                              # sequences whose caches sit side by side (rows.py)
+  SLOTS = True
 
   def __init__(self, cfg: ModelConfig):
     self.cfg = cfg
@@ -151,10 +152,11 @@ class Transformer:
 
   def check_resume(self, start_pos: int) -> None: pass  # every row of a cached prefix stays in the cache
 
-  def cache_tensors(self) -> list[tuple[str, Tensor, int]]:
-    """Every KV-cache tensor of slot 0 as (name, tensor, row axis): rows [0:n] along that axis are the state after n
-    tokens, so a prefix can be saved and restored without knowing the attention class."""
-    one = lambda t: t if self.slots == 1 else t[0:1]
+  def cache_tensors(self, slot: int = 0) -> list[tuple[str, Tensor, int]]:
+    """Every KV-cache tensor of one slot as (name, tensor `[1, rows, ...]`, row axis): rows [0:n] along that axis are the
+    state after n tokens, so a prefix can be saved and restored without knowing the attention class (nor the slot:
+    the shapes are those of a model with one slot)."""
+    one = lambda t: t if self.slots == 1 else t[slot:slot + 1]
     return [(f"blk.{i}.attn.cache", one(b.attn.cache), 1) for i, b in enumerate(self.blk) if b.attn.cache is not None] + \
       [(f"blk.{i}.attn.idx_cache", one(b.attn.idx_cache), 1) for i, b in enumerate(self.blk) if getattr(b.attn, "idx_cache", None) is not None]
 

@@ -34,7 +34,7 @@ from tg_ds4.checkpoint import open_model
 from tg_ds4.gguf import GGUFFile
 from tg_ds4.jit import Jit
 from tg_ds4.rows import Rows
-from tg_ds4.sampling import SamplingParams, greedy, rng, sample
+from tg_ds4.sampling import SamplingParams, greedy, inputs, rng, sample
 
 MAX_TOP_LOGPROBS = 20
 TOP_LOGPROBS_BUCKETS = (0, 5, MAX_TOP_LOGPROBS)  # k is rounded up to one of these and the extra entries dropped on the host
@@ -76,10 +76,11 @@ def _buffer(t: Tensor) -> Buffer:
   if not isinstance(buf, Buffer) or not buf.is_allocated(): raise ValueError("cache tensors must be realized single-device buffers")
   return buf
 
-def _prefix_view(t: Tensor, axis: int, n: int) -> Buffer | None:
-  """Rows [0:n] as a view of the buffer when they are its first bytes (every axis before the row axis has size 1)."""
+def _prefix_view(t: Tensor, axis: int, n: int, slot: int = 0) -> Buffer | None:
+  """Rows [0:n] as a view of the buffer when they are its first bytes, or the first bytes of slot `slot` (`t` one slot
+  `[1, ...]` of a cache `[slots, ...]`: every axis before the row axis has size 1)."""
   if any(d != 1 for d in t.shape[:axis]): return None
-  (view := _buffer(t).view(n * prod(t.shape[axis + 1:]), t.dtype, 0)).ensure_allocated()
+  (view := _buffer(t).view(n * prod(t.shape[axis + 1:]), t.dtype, slot * prod(t.shape) * t.dtype.itemsize)).ensure_allocated()
   return view
 
 def _row_to_step(row: np.ndarray, k: int, want: int) -> Step:
@@ -189,8 +190,8 @@ class Runner:
       [self._pos(p, f"pos{i}") for i, p in enumerate(positions)]
     if sampling is not None:
       flags, temp, top_k, top_p, min_p, rng = (np.concatenate([np.asarray(a), np.repeat(np.asarray(a)[:1], pad, 0)]) for a in sampling)
-      args += [Tensor(flags.astype(bool)), Tensor(np.maximum(temp, 1e-6).astype(np.float32)), Tensor(top_k.astype(np.int32)),
-               Tensor(top_p.astype(np.float32)), Tensor(min_p.astype(np.float32)), Tensor(rng.astype(np.uint32))]
+      args += [inputs(flags, bool, self.device), inputs(np.maximum(temp, 1e-6), np.float32, self.device), inputs(top_k, np.int32, self.device),
+               inputs(top_p, np.float32, self.device), inputs(min_p, np.float32, self.device), inputs(rng, np.uint32, self.device)]
     out = self._batch(B, sampling is None, logprobs)(*args).numpy()
     return out[:n, 0] if logprobs is None else out[:n]
 
@@ -359,29 +360,33 @@ class Runner:
   # Byte copies on the cache buffers themselves (the tensors are allocated once and written in place by the captured
   # steps): no kernel is compiled per prefix length, and the captured steps keep pointing at the same memory.
 
-  def kv_rows(self, n: int) -> list[tuple[str, np.ndarray]]:
-    """Host copies of rows [0:n] of every cache tensor (only meaningful for n <= len(self.cached))."""
+  def kv_rows(self, n: int, slot: int = 0) -> list[tuple[str, np.ndarray]]:
+    """Host copies of rows [0:n] of every cache tensor of `slot` (only meaningful for rows that hold a prefix: n <=
+    len(self.cached) for slot 0's single-sequence use, a Batcher's slot_tokens for its slots)."""
     out = []
-    for name, t, axis in self.model.cache_tensors():
-      if (view := _prefix_view(t, axis, n)) is not None: a = view.numpy().reshape(*t.shape[:axis], n, *t.shape[axis + 1:])
-      else: a = _buffer(t).numpy().reshape(t.shape)[(slice(None),) * axis + (slice(0, n),)]
+    for name, t, axis in self.model.cache_tensors(slot):
+      if (view := _prefix_view(t, axis, n, slot)) is not None: a = view.numpy().reshape(*t.shape[:axis], n, *t.shape[axis + 1:])
+      elif slot == 0: a = _buffer(t).numpy().reshape(t.shape)[(slice(None),) * axis + (slice(0, n),)]
+      else: raise ValueError(f"{name}: rows of slot {slot} are not one contiguous run")
       out.append((name, np.array(a)))
     return out
 
-  def load_kv_rows(self, tokens: list[int], rows: dict[str, np.ndarray]) -> None:
-    """Write saved rows [0:len(tokens)] back into the cache tensors."""
-    n, self.cached = len(tokens), []
-    for name, t, axis in self.model.cache_tensors():
+  def load_kv_rows(self, tokens: list[int], rows: dict[str, np.ndarray], slot: int = 0) -> None:
+    """Write saved rows [0:len(tokens)] back into the cache tensors of `slot` (slot 0: `cached` becomes `tokens`)."""
+    n = len(tokens)
+    if slot == 0: self.cached = []
+    for name, t, axis in self.model.cache_tensors(slot):
       a = rows[name]
       if a.shape[axis] < n or a.shape[:axis] + a.shape[axis + 1:] != t.shape[:axis] + t.shape[axis + 1:]:
         raise ValueError(f"{name}: saved rows {a.shape} do not fit {t.shape} up to row {n}")
       a = np.ascontiguousarray(a[(slice(None),) * axis + (slice(0, n),)], dtype=_to_np_dtype(t.dtype))
-      if (view := _prefix_view(t, axis, n)) is None:  # rows are not one contiguous prefix: rewrite the whole buffer
+      if (view := _prefix_view(t, axis, n, slot)) is None:  # rows are not one contiguous prefix: rewrite the whole buffer
+        if slot: raise ValueError(f"{name}: rows of slot {slot} are not one contiguous run")
         whole = _buffer(t).numpy().reshape(t.shape).copy()
         whole[(slice(None),) * axis + (slice(0, n),)] = a
         view, a = _buffer(t), whole
       view.copy_from(Buffer("PYTHON", a.size, t.dtype, opaque=memoryview(a.reshape(-1)).cast("B")))
-    self.cached = list(tokens)
+    if slot == 0: self.cached = list(tokens)
 
   def cache_layout(self) -> list[tuple[str, tuple[int, ...], str, int]]:
     """(name, shape, dtype, row axis) of every cache tensor: part of a saved cache's identity."""

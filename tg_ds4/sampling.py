@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tinygrad import Tensor, dtypes
+import numpy as np
+from tinygrad import Device, Tensor, dtypes
 
 BISECT_STEPS = 24  # float32 thresholds to ~2^-24 of the value range: ties beyond that are kept together
 
@@ -29,8 +30,15 @@ class SamplingParams:
 
   def tensors(self, device: str | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The parameters as (1,)-shaped device tensors: JIT inputs, so changing them never recompiles."""
-    return (Tensor([max(self.temperature, 1e-6)], device=device), Tensor([self.top_k], dtype=dtypes.int32, device=device),
-            Tensor([self.top_p], device=device), Tensor([self.min_p], device=device))
+    return (inputs([max(self.temperature, 1e-6)], np.float32, device), inputs([self.top_k], np.int32, device),
+            inputs([self.top_p], np.float32, device), inputs([self.min_p], np.float32, device))
+
+def inputs(values, dtype, device: str | None = None) -> Tensor:
+  """Host values as a realized device tensor, by one buffer copy: a sampled step's per-token inputs. `Tensor(values)`
+  is realized by the JIT call that takes it, which schedules and lowers a copy each time (~12 ms per sampled token on
+  2 cores, as long as the step itself for smollm2)."""
+  from tg_ds4.layers import host_tensor
+  return host_tensor(np.asarray(values, dtype), device or Device.DEFAULT)
 
 def _bisect(lo: Tensor, hi: Tensor, keep_upper) -> Tensor:
   """Largest t in [lo, hi] with keep_upper(t) true (keep_upper monotone: true below a threshold, false above)."""
@@ -56,9 +64,9 @@ def uniform(shape: tuple[int, ...], rng: Tensor) -> Tensor:
   x = x ^ (x >> 16)
   return ((x >> 8).cast(dtypes.float32) + 0.5) * (1.0 / (1 << 24))
 
-def rng(seed: int, step: int) -> Tensor:
+def rng(seed: int, step: int, device: str | None = None) -> Tensor:
   """The `(2,)` uint32 (seed, step) input of `sample`: draw `step` of the stream `seed`."""
-  return Tensor([seed & 0xFFFFFFFF, step], dtype=dtypes.uint32)
+  return inputs([seed & 0xFFFFFFFF, step], np.uint32, device)
 
 def greedy(logits: Tensor) -> Tensor:
   """logits `[B, V]` -> `[B, 1]` int32."""

@@ -1,15 +1,23 @@
 """The single inference thread: every tinygrad call happens here (tinygrad is not thread-safe). Requests wait in a
 bounded FIFO queue; results go back to the event loop as events on the job's asyncio queue.
 
-Per job: reuse the longest common prefix with what the KV cache holds (or, when longer, with a saved prefix on disk),
-prefill the rest, then stream tokens, checking the job's cancel flag before every further token, so a client that went
-away costs at most the token in flight. Long prompts' KV rows are saved for later (after the answer, off the hot path)."""
+One sequence at a time (a runner loaded with parallel=1): per job, reuse the longest common prefix with what the KV cache
+holds (or, when longer, with a saved prefix on disk), prefill the rest, then stream tokens, checking the job's cancel
+flag before every further token, so a client that went away costs at most the token in flight.
+
+Slots (parallel=N > 1): jobs move from the queue, first come first served, onto free cache slots of a batch.Batcher,
+which steps them together: each engine step runs at most one prefill chunk and one batched decode step over every
+running job. A job takes the free slot whose cache shares the longest prefix with its prompt, or a saved prefix from
+disk when that is longer; a cancelled job leaves its slot at the next step (at most one more token computed).
+
+Either way, long prompts' KV rows are saved for later (after the answer, off the hot path)."""
 from __future__ import annotations
 
 import asyncio, itertools, logging, queue, threading, time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tg_ds4.batch import Batcher, Request
 from tg_ds4.runner import Runner
 from tg_ds4.sampling import SamplingParams
 from tg_ds4.server.kvstore import KVStore
@@ -63,6 +71,9 @@ class Worker:
     self.load, self.warmup, self.runner, self.kvstore, self.load_error = load, warmup, None, None, None
     self.queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
     self.loaded, self.ready, self.current = threading.Event(), threading.Event(), None
+    self.batcher: Batcher | None = None  # with slots
+    self.jobs: dict[int, tuple[Job, float]] = {}  # with slots: the batcher's requests (and when each left the queue)
+    self.peak_running = 0  # the most requests running together so far
     self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "tokens": 0}
     self.last_cancel: dict | None = None
     self.job_seconds = 1.0  # running mean, for Retry-After
@@ -82,12 +93,18 @@ class Worker:
     try: self.queue.put_nowait(job)
     except queue.Full: raise QueueFull() from None
 
-  def retry_after(self) -> int: return max(1, min(60, round(self.job_seconds * max(self.queue.qsize(), 1))))
+  @property
+  def slots(self) -> int: return getattr(self.runner, "parallel", 1) if self.runner is not None else 1
+
+  def retry_after(self) -> int: return max(1, min(60, round(self.job_seconds * max(self.queue.qsize(), 1) / self.slots)))
 
   def status(self) -> dict:
-    return {"ready": self.ready.is_set(), "queued": self.queue.qsize(), "busy": self.current is not None, **self.counts,
-            "last_cancel": self.last_cancel, "cached_tokens": len(self.runner.cached) if self.runner else 0,
-            "kv_store": self.kvstore.stats() if self.kvstore else None}
+    b = self.batcher
+    cached = [len(t) for t in b.slot_tokens] if b is not None else [len(self.runner.cached)] if self.runner else [0]
+    return {"ready": self.ready.is_set(), "queued": self.queue.qsize(), "busy": bool(self.jobs) or self.current is not None,
+            "running": len(self.jobs) if b is not None else int(self.current is not None), "slots": self.slots,
+            "peak_running": self.peak_running, **self.counts,
+            "last_cancel": self.last_cancel, "cached_tokens": max(cached), "kv_store": self.kvstore.stats() if self.kvstore else None}
 
   def _run(self):
     try: self.runner, self.kvstore = self.load()
@@ -95,17 +112,15 @@ class Worker:
     finally: self.loaded.set()
     if self.warmup:  # compile and capture the prefill and decode steps before the first request
       t = time.perf_counter()
-      try: list(self.runner.generate(self.warmup, 3))
+      try: self._warm_up()
       except Exception: log.exception("warm-up failed")
       log.info("warm-up done in %.1fs", time.perf_counter() - t)
     self.ready.set()
+    if self.slots > 1: return self._run_slots()
     while True:
       job = self.queue.get()
-      if job.cancelled:  # left while queued: costs nothing
-        self.counts["cancelled"] += 1
-        self.last_cancel = {"job": job.id, "generated": 0, "tokens_after_cancel": 0}
-        job.emit(Done("cancelled")); continue
-      self.current, t = job, time.perf_counter()
+      if job.cancelled: self._cancelled_queued(job); continue
+      self.current, t, self.peak_running = job, time.perf_counter(), max(self.peak_running, 1)
       try: self._generate(job)
       except Exception as e:  # a failing request must not take the worker down
         log.exception("job %d failed", job.id)
@@ -114,6 +129,81 @@ class Worker:
       finally:
         self.current = None
         self.job_seconds = 0.8 * self.job_seconds + 0.2 * (time.perf_counter() - t)
+
+  def _warm_up(self):
+    if self.slots == 1: list(self.runner.generate(self.warmup, 3)); return
+    # every batch size up to the slots, greedy and sampled: the batched steps a first burst of requests needs
+    reqs = [Request(tuple(self.warmup), 2 + i, SamplingParams(0.0 if i % 2 else 1.0, seed=i)) for i in range(self.slots)]
+    Batcher(self.runner).run(reqs)
+
+  def _cancelled_queued(self, job: Job):  # left while queued: costs nothing
+    self.counts["cancelled"] += 1
+    self.last_cancel = {"job": job.id, "generated": 0, "tokens_after_cancel": 0}
+    job.emit(Done("cancelled"))
+
+  def _ended(self, job: Job, reason: str):
+    self.counts["tokens"] += job.generated
+    if reason == "cancelled":
+      self.counts["cancelled"] += 1
+      self.last_cancel = {"job": job.id, "generated": job.generated, "tokens_after_cancel": job.generated - (job.cancel_at or 0)}
+    else: self.counts["completed"] += 1
+    job.emit(Done(reason))
+
+  def _run_slots(self):
+    """The loop with slots: fill free slots from the queue, pass cancels on, one engine step, hand out its events."""
+    self.batcher = b = Batcher(self.runner, self._restore if self.kvstore is not None else None)
+    while True:
+      while len(b.running) + len(b.queue) < b.slots:
+        try: job = self.queue.get(block=not b.busy)  # nothing running: wait for work
+        except queue.Empty: break
+        if job.cancelled: self._cancelled_queued(job); continue
+        try: rid = b.submit(Request(tuple(job.prompt), job.max_tokens, job.params, frozenset(job.stop_ids), job.logprobs))
+        except ValueError as e:
+          self.counts["failed"] += 1; job.emit(Failed(str(e))); continue
+        self.jobs[rid] = (job, time.perf_counter())
+        self.peak_running = max(self.peak_running, len(self.jobs))
+      for rid, (job, _) in self.jobs.items():
+        if job.cancelled: b.cancel(rid)
+      try: events = b.step()
+      except Exception as e:  # a failing step must not take the worker down; the requests in it fail
+        log.exception("engine step failed")
+        for job, _ in self.jobs.values():
+          self.counts["failed"] += 1
+          job.emit(Failed(f"{type(e).__name__}: {e}"))
+        self.jobs.clear()
+        self.batcher = b = Batcher(self.runner, b.restore)  # the slots' caches are in an unknown state: reuse nothing
+        continue
+      for e in events: self._event(b, e)
+
+  def _event(self, b: Batcher, e):
+    job, started = self.jobs[e.rid]
+    if e.cached is not None: job.emit(Started(e.cached)); return
+    if e.step is not None:
+      job.generated += 1
+      job.emit(e.step)
+    if not e.finished: return
+    del self.jobs[e.rid]
+    reason = "cancelled" if e.step is None else "stop" if e.step.token in job.stop_ids else "length"
+    self._ended(job, reason)
+    self.job_seconds = 0.8 * self.job_seconds + 0.2 * (time.perf_counter() - started)
+    kv, prompt = self.kvstore, job.prompt
+    if kv is not None and reason != "cancelled" and b.slot_tokens[e.slot][:len(prompt)] == prompt and kv.wants(prompt):
+      kv.save(prompt, self.runner.kv_rows(len(prompt), e.slot))
+
+  def _restore(self, prompt: tuple[int, ...], slot: int, start: int) -> int:
+    """A saved prefix of `prompt` into `slot` when it saves MIN_DISK_GAIN tokens over the `start` the slot holds."""
+    kv, entry = self.kvstore, None
+    try:
+      entry, n = kv.lookup(list(prompt))
+      n = min(n, len(prompt) - 1)
+      if entry is not None and n >= start + MIN_DISK_GAIN and (rows := kv.load(entry)) is not None:
+        self.runner.load_kv_rows(entry.tokens[:n].tolist(), rows, slot)
+        return n
+    except Exception as e:  # a bad saved prefix costs its reuse, never the request
+      if entry is not None: kv.discard(entry, f"{type(e).__name__}: {e}", delete=True)
+      else: log.warning("kv cache: lookup failed: %s: %s", type(e).__name__, e)
+      return 0  # the slot may be half-written: nothing of it is reused
+    return start
 
   def _reuse(self, prompt: list[int]) -> int:
     eng, kv, start = self.runner, self.kvstore, self.runner.reusable(prompt)
@@ -144,11 +234,6 @@ class Worker:
         if job.cancelled: reason = "cancelled"; break  # not resuming the generator: no further token is computed
     finally: gen.close()
     if reason != "cancelled" and last in job.stop_ids: reason = "stop"
-    self.counts["tokens"] += job.generated
-    if reason == "cancelled":
-      self.counts["cancelled"] += 1
-      self.last_cancel = {"job": job.id, "generated": job.generated, "tokens_after_cancel": job.generated - (job.cancel_at or 0)}
-    else: self.counts["completed"] += 1
-    job.emit(Done(reason))
+    self._ended(job, reason)
     kv = self.kvstore
     if kv is not None and eng.cached[:len(prompt)] == prompt and kv.wants(prompt): kv.save(prompt, eng.kv_rows(len(prompt)))
