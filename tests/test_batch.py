@@ -122,6 +122,20 @@ def test_slot_rows_save_and_restore(requests, alone, batcher):
       if e.step is not None: got.append(e.step)
   _assert_same(alone([q]), [got], "restored")
 
+@pytest.mark.parametrize("name", ["glmdsa/glmdsa-Q8_0", "ds32/ds32-Q4_0"])
+def test_dsa_batched_answers_equal_alone(name):
+  """DSA (deepseek32, glm-dsa with its shared layers): each row's indexer keys go into its own slot of the key cache
+  (all rows in one store: per-row stores of one buffer made a cycle in tinygrad's schedule), and a row's selection over
+  more cached positions than top-k (32: the 45-token prompt) is its own."""
+  path = pathlib.Path(__file__).parent / "fixtures" / "dsa" / f"{name}.gguf"
+  vocab, rnd = config_of(GGUFFile(path)).n_vocab, random.Random(3)
+  reqs = [Request(tuple(rnd.randrange(vocab) for _ in range(n)), 4, SamplingParams() if i % 2 == 0 else SamplingParams(0.9, seed=i),
+                  logprobs=5) for i, n in enumerate((3, 14, 45))]
+  assert config_of(GGUFFile(path)).idx_top_k < 45
+  single = Runner.load(path, max_ctx=64)
+  alone = [list(single.steps(list(q.prompt), q.max_new, q.params, logprobs=q.logprobs)) for q in reqs]
+  _assert_same(alone, Batcher(Runner.load(path, max_ctx=64, parallel=3)).run(reqs), name)
+
 def test_deepseek4_refuses_slots_in_one_line():
   with pytest.raises(ValueError, match="deepseek4 runs one sequence at a time"):
     Runner.load(pathlib.Path(__file__).parent / "fixtures" / "deepseek4" / "flash" / "flash-MXFP4.gguf", max_ctx=64, parallel=2)

@@ -58,13 +58,21 @@ class DSA(MLA):
     super().init_cache(max_ctx, device, dtype, slots)
     if hasattr(self, "indexer"): self.idx_cache = zeros((slots, max_ctx, self.cfg.idx_head_dim), dtypes.float32, device or Device.DEFAULT)
 
-  def rows(self, cache: Tensor, slot: int | UOp, x: Tensor, qr: Tensor | None, start_pos: int | UOp, rope: Tensor,
+  def stored_keys(self, x: Tensor, rows: Rows, rope: Tensor) -> Tensor | None:
+    """The indexer's keys of every row's new positions `LayerNorm(attn_k(x))`, rotated, stored in idx_cache at once."""
+    if not hasattr(self, "indexer"): return None
+    ix, (B, T, _), D = self.indexer, x.shape, self.cfg.idx_head_dim
+    with precision.matmuls_in(dtypes.float32):
+      k = self._rope_head(ix.k_norm(ix.attn_k(x)).reshape(B, T, 1, D), rope, rows).reshape(B, T, D)
+    return store_rows(self.idx_cache, k, rows)
+
+  def rows(self, cache: Tensor, keys: Tensor | None, slot: int | UOp, x: Tensor, qr: Tensor | None, start_pos: int | UOp, rope: Tensor,
            shared: dict | None) -> tuple[Tensor, Tensor | None]:
     """A chunk attends over its causal rows with the unselected ones masked, as llama.cpp does. One token (decode)
     attends over the k selected rows only, gathered from the cache: its attention costs k rows, not the context."""
     T, cap, k = x.shape[1], cache.shape[1], self.cfg.idx_top_k
-    if hasattr(self, "indexer"):
-      with precision.matmuls_in(dtypes.float32): keep = self._select(x, qr, slot, start_pos, rope)  # [T, S]
+    if keys is not None:
+      with precision.matmuls_in(dtypes.float32): keep = self._select(x, qr, keys, slot, start_pos, rope)  # [T, S]
       sel = {"keep": keep}
       if T == 1 and cap > k:  # positions past the context are never selected: pad the symbolic row to the cache's rows
         sel["idx"], sel["valid"] = compact(keep[0].pad(((0, cap - keep.shape[1]),)), k)
@@ -75,18 +83,18 @@ class DSA(MLA):
     if "idx" in sel: return cache[slot:slot + 1][:, sel["idx"]].unsqueeze(1), sel["valid"].where(0.0, NEG).reshape(1, k)
     return slot_rows(cache, slot, start_pos + T).unsqueeze(1), sel["keep"].where(0.0, NEG)
 
-  def _rope_head(self, t: Tensor, rope: Tensor, start_pos: int | UOp) -> Tensor:
+  def _rope_head(self, t: Tensor, rope: Tensor, start_pos: int | UOp | Rows) -> Tensor:
     """The indexer's rotation: its first rope.dim dims (the reverse of the MLA head's [nope | rope] layout)."""
     R = self.cfg.rope.dim
     return apply_rope(t[..., :R], rope, start_pos, self.cfg.idx_rope).cat(t[..., R:], dim=-1)
 
-  def _select(self, x: Tensor, qr: Tensor, slot: int | UOp, start_pos: int | UOp, rope: Tensor) -> Tensor:
-    """`[T, S]` bool: the top-k of the positions each query may see (all of them when fewer)."""
+  def _select(self, x: Tensor, qr: Tensor, keys: Tensor, slot: int | UOp, start_pos: int | UOp, rope: Tensor) -> Tensor:
+    """`[T, S]` bool: the top-k of the positions each query may see (all of them when fewer), by the indexer's `keys`
+    (idx_cache with this forward's rows stored)."""
     cfg, ix, (B, T, _) = self.cfg, self.indexer, x.shape
     H, D = cfg.idx_n_head, cfg.idx_head_dim
     q = self._rope_head(ix.attn_q_b(qr).reshape(B, T, H, D), rope, start_pos)
-    k = self._rope_head(ix.k_norm(ix.attn_k(x)).reshape(B, T, 1, D), rope, start_pos).reshape(B, T, D)
-    keys = slot_rows(store_rows(self.idx_cache, k, Rows((slot,), (start_pos,))), slot, start_pos + T)[0]   # [S, D]
+    keys = slot_rows(keys, slot, start_pos + T)[0]                                               # [S, D]
     w = ix.proj(x) * (D * H) ** -0.5                                                              # [B, T, H]
     score = (dot_lanes(q, keys).relu() * w.unsqueeze(-1)).sum(-2)                                # [B, T, S]
     ok = Tensor.ones(T, keys.shape[0], dtype=dtypes.bool).tril(start_pos)                        # causal

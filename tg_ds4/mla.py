@@ -63,11 +63,12 @@ class MLA:
 
     kv = self.attn_kv_a_mqa(x)
     k_new = self.attn_kv_a_norm(kv[..., :L], per_element=True).cat(apply_rope(kv[..., L:], rope, start_pos, cfg.rope.type), dim=-1)
-    cache, o = store_rows(self.cache, k_new, rows), []
+    # every row's new cache rows stored at once (one store per cache buffer per forward), before any row reads them
+    cache, keys, o = store_rows(self.cache, k_new, rows), self.stored_keys(x, rows, rope), []
     for b, (s, p) in enumerate(rows):  # each row over its own slot's rows (rows.py)
       one = (lambda t: t) if len(rows) == 1 else (lambda t: None if t is None else t[b:b + 1])
       sh = shared if len(rows) == 1 or shared is None else shared.setdefault(("row", b), {})
-      k, mask = self.rows(cache, s, one(x), one(qr), p, rope, sh)                      # [1,1,n,L+R], [T,n]
+      k, mask = self.rows(cache, keys, s, one(x), one(qr), p, rope, sh)                # [1,1,n,L+R], [T,n]
       # a one-token step: 8 lanes (one 256-bit accumulator); with 16, clang left V2-Lite's 576-wide scores scalar
       scores = dot_lanes(one(q), k, 8 if T == 1 else LANES) * cfg.kq_scale             # [1,H,T,n]
       if mask is not None: scores = scores + mask
@@ -78,10 +79,14 @@ class MLA:
     # into head and value axes and misses kernel_opts' GEMM shape (0.3 GB/s on a V2-Lite-shaped chunk)
     return self.attn_output(o.contiguous() if T > 1 else o)
 
-  def rows(self, cache: Tensor, slot: int | UOp, x: Tensor, qr: Tensor | None, start_pos: int | UOp, rope: Tensor,
+  def stored_keys(self, x: Tensor, rows: Rows, rope: Tensor) -> Tensor | None:
+    """A second per-position cache some attentions keep (dsa.DSA's indexer keys) with this forward's rows stored; None."""
+    return None
+
+  def rows(self, cache: Tensor, keys: Tensor | None, slot: int | UOp, x: Tensor, qr: Tensor | None, start_pos: int | UOp, rope: Tensor,
            shared: dict | None) -> tuple[Tensor, Tensor | None]:
     """The latent rows one sequence's queries attend over `[1, 1, n, L+R]` (all of its slot of `cache` `[slots,
     max_ctx, L+R]` up to the last new position) and their additive mask `[T, n]` (causal; None when nothing is
-    masked). dsa.DSA picks fewer."""
+    masked). dsa.DSA picks fewer, by the indexer `keys` (stored_keys)."""
     T = x.shape[1]
     return slot_rows(cache, slot, start_pos + T).unsqueeze(1), causal_mask(T, start_pos)
