@@ -200,16 +200,26 @@ class Worker:
         self.runner.load_kv_rows(entry.tokens[:n].tolist(), rows, slot)
         return n
     except Exception as e:  # a bad saved prefix costs its reuse, never the request
-      if entry is None:
-        log.warning("kv cache: lookup failed: %s: %s", type(e).__name__, e)
-        return start  # the slot was not touched
-      kv.discard(entry, f"{type(e).__name__}: {e}", delete=True)
-      return 0  # the slot may be half-written (load_kv_rows empties slot 0's `cached` first): nothing of it is reused
+      if entry is not None: kv.discard(entry, f"{type(e).__name__}: {e}", delete=True)
+      else: log.warning("kv cache: lookup failed: %s: %s", type(e).__name__, e)
+      return 0  # the slot may be half-written: nothing of it is reused
     return start
 
   def _reuse(self, prompt: list[int]) -> int:
-    start = self.runner.reusable(prompt)
-    return start if self.kvstore is None else self._restore(tuple(prompt), 0, start)
+    eng, kv, start = self.runner, self.kvstore, self.runner.reusable(prompt)
+    if kv is None: return start
+    entry = None
+    try:
+      entry, n = kv.lookup(prompt)
+      n = min(n, len(prompt) - 1)
+      if entry is not None and n >= start + MIN_DISK_GAIN and (rows := kv.load(entry)) is not None:
+        eng.load_kv_rows(entry.tokens[:n].tolist(), rows)
+        start = eng.reusable(prompt)
+    except Exception as e:  # a bad saved prefix (rows that do not fit this cache, ...) costs its reuse, never the request
+      if entry is not None: kv.discard(entry, f"{type(e).__name__}: {e}", delete=True)
+      else: log.warning("kv cache: lookup failed: %s: %s", type(e).__name__, e)
+      start = eng.reusable(prompt)  # load_kv_rows empties the cache before writing: nothing half-written is reused
+    return start
 
   def _generate(self, job: Job):
     eng, prompt = self.runner, job.prompt
