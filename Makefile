@@ -4,6 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODEL ?= smollm2
+# pytest-xdist processes for `make test`: the suite is mostly single-threaded lowering and compiling
+TEST_WORKERS ?= 2
 PROMPT ?= The three most important things to know about the ocean are
 
 .PHONY: run test lint install clean
@@ -12,7 +14,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -5,11 +5,14 @@ on a machine with a GPU, `TG_DS4_TEST_DEV=CUDA TG_DS4_PRECISION=f32 pytest tests
 device to the same references (profiles/gpu_check.sh); the CPU-only tests (kernel counts, the CPU replay) fail there."""
 import os, pathlib, sys
 
+import pytest
+
 os.environ["DEV"] = os.environ.get("TG_DS4_TEST_DEV", "CPU")  # before anything imports tinygrad
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 # *** background jobs (background.py): tests marked `background(job)` read the result of a subprocess started when
-# collection finishes, by `start_job(job)` of the test's module. They run last, so the rest of the suite overlaps them.
+# collection finishes (under pytest-xdist: when the worker starts the test's module), by `start_job(job)` of the test's
+# module. They run last, so the rest of the suite overlaps them.
 
 def pytest_configure(config):
   config.addinivalue_line("markers", "background(job): reads the result of its module's background job (start_job(job)); runs last")
@@ -18,10 +21,19 @@ def pytest_collection_modifyitems(session, config, items):
   bg = [i for i in items if i.get_closest_marker("background")]
   items[:] = [i for i in items if not i.get_closest_marker("background")] + bg
 
-def pytest_collection_finish(session):
-  if session.config.option.collectonly: return
-  for item in session.items:
+def _start_jobs(items) -> None:
+  for item in items:
     if (m := item.get_closest_marker("background")) is not None: item.module.start_job(m.args[0])
+
+def pytest_collection_finish(session):
+  # Under pytest-xdist (`make test` runs two workers, one module per worker at a time: --dist loadfile) every worker
+  # collects every test but runs only the modules it is sent, so a worker starts a module's jobs when that module starts.
+  if session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER"): return
+  _start_jobs(session.items)
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_jobs(request):
+  if os.environ.get("PYTEST_XDIST_WORKER"): _start_jobs(i for i in request.session.items if i.module is request.module)
 
 def pytest_sessionfinish(session):
   import background
