@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tinygrad import Device, Tensor, UOp, dtypes
 
+from tg_ds4.backend import rotated_q_stored
 from tg_ds4.config import ModelConfig
 from tg_ds4.layers import Linear, RMSNorm, zeros
 from tg_ds4.mla import causal_mask
@@ -64,21 +65,33 @@ class GQA:
 
   def _attend_rows(self, q: Tensor, cache: Tensor, rows: Rows) -> Tensor:
     """q `[B,T,H,D]` (normed, rotated), row b over its slot's rows of `cache` -> the output projection's result."""
-    T = q.shape[1]
-    o = [self._attend(q if len(rows) == 1 else q[b:b + 1], slot_rows(cache, s, p + T), p) for b, (s, p) in enumerate(rows)]
+    o = [self._attend(q if len(rows) == 1 else q[b:b + 1], cache, s, p) for b, (s, p) in enumerate(rows)]
     o = o[0] if len(o) == 1 else Tensor.cat(*o)
     return self.attn_output(self.attn_sub_norm(o) if hasattr(self, "attn_sub_norm") else o)
 
-  def _attend(self, q: Tensor, kv: Tensor, start_pos: int | UOp) -> Tensor:
-    """q `[B,T,H,D]` (normed, rotated) over the cache rows `kv` `[B,S,KV,D+Dv]` -> `[B,T,H*Dv]`."""
-    cfg, (B, T, H, D) = self.cfg, q.shape
-    KV = kv.shape[2]
-    k, v = kv[..., :D].transpose(1, 2), kv[..., D:].transpose(1, 2)                                               # [B,KV,S,*]
+  def _attend(self, q: Tensor, cache: Tensor, slot: int | UOp, start_pos: int | UOp) -> Tensor:
+    """q `[B,T,H,D]` (normed, rotated) over rows [0, start_pos + T) of one slot of `cache` `[slots,max_ctx,KV,D+Dv]` -> `[B,T,H*Dv]`."""
+    cfg, (B, T, H, D), KV, Dv = self.cfg, q.shape, cache.shape[2], self.cfg.v_head_dim
     q = q.transpose(1, 2).reshape(B, KV, H // KV, T, D)                  # heads grouped by the KV head they share
-    if T == 1 and D % 16 == 0:  # decode: 16 lane accumulators per score, as in quant.linear (vector multiply-adds)
-      prod = (q.unsqueeze(-2) * k.unsqueeze(2).unsqueeze(3)).reshape(B, KV, H // KV, T, k.shape[2], D // 16, 16)
-      scores = prod.sum(-2).sum(-1) * cfg.kq_scale
-    else:  # a chunk: q is used by every key position, so materialize it once instead of recomputing its RoPE per key
-      scores = (q.contiguous() @ k.unsqueeze(2).transpose(-1, -2)) * cfg.kq_scale  # [B,KV,G,T,S]
-    if (mask := causal_mask(T, start_pos, self.window)) is not None: scores = scores + mask
-    return (scores.softmax(-1) @ v.unsqueeze(2)).reshape(B, H, T, cfg.v_head_dim).transpose(1, 2).reshape(B, T, H * cfg.v_head_dim)
+    mask = causal_mask(T, start_pos, self.window)
+    if T == 1 and D % 16 == 0:
+      # decode: 16 lane accumulators per score, as in quant.linear (vector multiply-adds). No reshape touches the
+      # symbolic length: the cache is split into lanes before the slot's slice, and the scores get their trailing axis
+      # from q's shape, not from a reshape; across the length tinygrad indexes with an integer division and modulo by
+      # it per key. Rotated q is stored once where backend.rotated_q_stored says so, instead of rotated per key.
+      S = start_pos + T
+      k = slot_rows(cache.reshape(*cache.shape[:3], (D + Dv) // 16, 16), slot, S)[..., :D // 16, :] if Dv % 16 == 0 else \
+        slot_rows(cache, slot, S)[..., :D].reshape(1, -1, KV, D // 16, 16)
+      q16 = (q.contiguous() if rotated_q_stored(cache.device) else q).reshape(B, KV, H // KV, T, 1, D // 16, 16, 1)
+      k16 = k.permute(0, 2, 1, 3, 4).unsqueeze(2).unsqueeze(3).unsqueeze(-1)                                  # [1,KV,1,1,S,D/16,16,1]
+      scores = (q16 * k16).sum(-3).sum(-2) * cfg.kq_scale                                                      # [B,KV,G,T,S,1]
+      if mask is not None: scores = scores + mask.T
+      v = slot_rows(cache, slot, S)[..., D:].permute(0, 2, 1, 3).unsqueeze(2).unsqueeze(3)                    # [1,KV,1,1,S,Dv]
+      o = (scores.softmax(-2).contiguous() * v).sum(-2)                                                        # [B,KV,G,T,Dv]
+      return o.reshape(B, H, T, Dv).transpose(1, 2).reshape(B, T, H * Dv)
+    kv = slot_rows(cache, slot, start_pos + T)
+    k, v = kv[..., :D].transpose(1, 2), kv[..., D:].transpose(1, 2)                                               # [B,KV,S,*]
+    # a chunk: q is used by every key position, so materialize it once instead of recomputing its RoPE per key
+    scores = (q.contiguous() @ k.unsqueeze(2).transpose(-1, -2)) * cfg.kq_scale  # [B,KV,G,T,S]
+    if mask is not None: scores = scores + mask
+    return (scores.softmax(-1) @ v.unsqueeze(2)).reshape(B, H, T, Dv).transpose(1, 2).reshape(B, T, H * Dv)

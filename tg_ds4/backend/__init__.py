@@ -37,6 +37,13 @@ def affine_gemv(device: str) -> bool:
   `TG_DS4_AFFINE_GEMV=0` keeps the per-value form."""
   return not Device[device].renderer.has_local and compat.kernel_opts_on() and os.environ.get("TG_DS4_AFFINE_GEMV", "1") != "0"
 
+def rotated_q_stored(device: str) -> bool:
+  """Whether a decode step's GQA attention stores its rotated q once (one more kernel per layer) instead of rotating q
+  again for every cached key its scores kernel reads: on the CPU (and NULL's generic renderer, which schedules as the
+  CPU does) the rotation per key costs more than the scores themselves; GPU renderers keep the kernel count their
+  budgets hold."""
+  return not Device[device].renderer.has_local
+
 def prepare_device(device: str) -> None:
   """Before anything is lowered for `device`: our kernel heuristic (backend/cpu/kernel_opts.py on CPU renderers, the
   CPU device or NULL lowering for it; backend/gpu/kernel_opts.py's packed GEMVs on GPU renderers) and, where clang
