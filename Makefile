@@ -14,7 +14,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

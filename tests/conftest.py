@@ -12,14 +12,26 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 # *** background jobs (background.py): tests marked `background(job)` read the result of a subprocess started when
 # collection finishes (under pytest-xdist: when the worker starts the test's module), by `start_job(job)` of the test's
-# module. They run last, so the rest of the suite overlaps them.
+# module. They run last (under pytest-xdist: last in their module), so the rest of the suite overlaps them.
 
 def pytest_configure(config):
   config.addinivalue_line("markers", "background(job): reads the result of its module's background job (start_job(job)); runs last")
 
+# Under pytest-xdist the modules are handed out in collection order (`make test`: --no-loadscope-reorder): the modules
+# with background jobs first, so their jobs overlap the whole run instead of trailing it, then the slowest modules
+# (fresh-clone durations), so that no long module starts last beside an idle worker.
+SLOW_MODULES = ("test_real_models", "test_dsa", "test_ds4", "test_bench", "test_cli", "test_bitnet", "test_batch", "test_reference",
+                "test_checkpoint", "test_gemma4", "test_probe", "test_kernel_opts", "test_server", "test_stepcache")
+
 def pytest_collection_modifyitems(session, config, items):
   bg = [i for i in items if i.get_closest_marker("background")]
-  items[:] = [i for i in items if not i.get_closest_marker("background")] + bg
+  if not os.environ.get("PYTEST_XDIST_WORKER"):
+    items[:] = [i for i in items if not i.get_closest_marker("background")] + bg
+    return
+  jobs, name = {i.module.__name__ for i in bg}, lambda i: i.module.__name__.rsplit(".", 1)[-1]
+  rank = lambda i: (0 if i.module.__name__ in jobs else 1 + SLOW_MODULES.index(name(i)) if name(i) in SLOW_MODULES else 1 + len(SLOW_MODULES),
+                    i.get_closest_marker("background") is not None)
+  items.sort(key=rank)  # stable: collection order within each rank
 
 def _start_jobs(items) -> None:
   for item in items:
