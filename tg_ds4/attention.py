@@ -74,14 +74,13 @@ class GQA:
     cfg, (B, T, H, D), KV, Dv = self.cfg, q.shape, cache.shape[2], self.cfg.v_head_dim
     q = q.transpose(1, 2).reshape(B, KV, H // KV, T, D)                  # heads grouped by the KV head they share
     mask = causal_mask(T, start_pos, self.window)
-    if T == 1 and D % 16 == 0:
+    if T == 1 and D % 16 == 0 and Dv % 16 == 0:
       # decode: 16 lane accumulators per score, as in quant.linear (vector multiply-adds). No reshape touches the
       # symbolic length: the cache is split into lanes before the slot's slice, and the scores get their trailing axis
       # from q's shape, not from a reshape; across the length tinygrad indexes with an integer division and modulo by
       # it per key. Rotated q is stored once where backend.rotated_q_stored says so, instead of rotated per key.
       S = start_pos + T
-      k = slot_rows(cache.reshape(*cache.shape[:3], (D + Dv) // 16, 16), slot, S)[..., :D // 16, :] if Dv % 16 == 0 else \
-        slot_rows(cache, slot, S)[..., :D].reshape(1, -1, KV, D // 16, 16)
+      k = slot_rows(cache.reshape(*cache.shape[:3], (D + Dv) // 16, 16), slot, S)[..., :D // 16, :]
       q16 = (q.contiguous() if rotated_q_stored(cache.device) else q).reshape(B, KV, H // KV, T, 1, D // 16, 16, 1)
       k16 = k.permute(0, 2, 1, 3, 4).unsqueeze(2).unsqueeze(3).unsqueeze(-1)                                  # [1,KV,1,1,S,D/16,16,1]
       scores = (q16 * k16).sum(-3).sum(-2) * cfg.kq_scale                                                      # [B,KV,G,T,S,1]
