@@ -58,6 +58,3 @@ def file_formats(path, max_ctx: int = 64) -> Transformer:
 
 NEAR_TIE = 0.01
 
-def clear_prefix(margins: list[float]) -> int:
-  """Number of leading greedy steps whose top-2 margin is clear of NEAR_TIE."""
-  return next((i for i, m in enumerate(margins) if m < NEAR_TIE), len(margins))

@@ -45,7 +45,7 @@ from tg_ds4 import actquant, precision
 from tg_ds4.compat import DType, function
 from tg_ds4.config import Gating, RopeConfig, RopeType
 from tg_ds4.gguf import GGUFError, GGUFFile
-from tg_ds4.layers import Embedding, Linear, Param, Params, RMSNorm, load_weights, matmul
+from tg_ds4.layers import Embedding, Linear, Param, Params, RMSNorm, load_weights, matmul, matmul_input
 from tg_ds4.moe import MoE
 from tg_ds4.quant import QTensor, Weight, as_tensor, dot_lanes, linear
 from tg_ds4.rope import apply_rope, rope_table
@@ -367,7 +367,7 @@ class DS4Attention:
     cfg, (B, T, _) = self.cfg, x.shape
     H, D, G = cfg.n_head, cfg.head_dim, cfg.o_groups
     table, inv = (tabs.comp, tabs.comp_inv) if self.ratio else (tabs.main, tabs.main_inv)
-    qr = self.attn_q_a_norm(self.attn_q_a(x))
+    qr = matmul_input(self.attn_q_a_norm(self.attn_q_a(x)))
     q = rope_tail(rms0(self.attn_q_b(qr).reshape(B, T, H, D), cfg.norm_eps), table, start_pos)
     kv = rope_tail(self.attn_kv_a_norm(self.attn_kv(x)), table, start_pos)                    # [B, T, D]: K and V
     qpos = (Tensor.arange(T) + start_pos).reshape(T, 1)
@@ -447,9 +447,9 @@ class DS4Block:
     # outputs (V4-Flash-shaped decode: 1.27 -> 0.39 ms a layer)
     done = (lambda y: y.contiguous()) if x.shape[0] * x.shape[1] > 1 else (lambda y: y)
     h, post, comb = self.hc_attn(x)
-    x = hc_post(done(self.attn(self.attn_norm(h), start_pos, tabs)), x, post, comb).contiguous()
+    x = hc_post(done(self.attn(matmul_input(self.attn_norm(h)), start_pos, tabs)), x, post, comb).contiguous()
     h, post, comb = self.hc_ffn(x)
-    return hc_post(done(self.ffn(self.ffn_norm(h), tokens)), x, post, comb).contiguous()  # one barrier per block, as model.Block
+    return hc_post(done(self.ffn(matmul_input(self.ffn_norm(h)), tokens)), x, post, comb).contiguous()  # one barrier per block, as model.Block
 
 class DS4Transformer:
   """The deepseek4 model (arch.Model). Unlike model.Transformer's row-per-position caches, the rings only let a new run
@@ -498,7 +498,7 @@ class DS4Transformer:
       if select is not None: x = (x * select.unsqueeze(-1)).sum(1, keepdim=True)
       return self.head(x)
 
-  def head(self, x: Tensor) -> Tensor: return self.output(self.output_norm(self.output_hc.head(x)))  # the streams collapsed first
+  def head(self, x: Tensor) -> Tensor: return self.output(matmul_input(self.output_norm(self.output_hc.head(x))))  # the streams collapsed first
 
   def check_resume(self, start_pos: int) -> None:
     """Raise unless the caches hold what a run from `start_pos` needs: position 0, or the raw rows of the `window`

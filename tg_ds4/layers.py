@@ -137,6 +137,10 @@ class RMSNorm:
     sq = x.square().unsqueeze(-2).expand(*x.shape, x.shape[-1]) if per_element else x.square()
     return x * (sq.mean(-1, keepdim=not per_element) + self.eps).rsqrt() * as_tensor(self.weight)
 
+def matmul_input(x: Tensor) -> Tensor:
+  """A norm's output `x` as the matmuls after it read it: materialised where backend.norm_stored says so."""
+  return x.contiguous() if backend.norm_stored(x.device) else x
+
 class LayerNorm:
   """GPT-2's norm: (x - mean) / sqrt(var + eps) * weight + bias, over the last axis."""
   def __init__(self, dim: int, eps: float): self.weight, self.bias, self.eps = Param(dim), Param(dim), eps

@@ -8,7 +8,7 @@ from __future__ import annotations
 from tinygrad import Device, Tensor, UOp, dtypes
 
 from tg_ds4.config import ModelConfig
-from tg_ds4.layers import Linear, Param, Params, RMSNorm, zeros
+from tg_ds4.layers import Linear, Param, Params, RMSNorm, matmul_input, zeros
 from tg_ds4.actquant import round_activations
 from tg_ds4.precision import matmul_dtype
 from tg_ds4.quant import LANES, QTensor, Weight, dot_lanes, linear
@@ -54,7 +54,7 @@ class MLA:
     """`shared`: what this forward's layers hand to later ones (dsa.DSA's selections)."""
     cfg, (B, T, _), rows = self.cfg, x.shape, Rows.of(start_pos)
     H, L, nope = cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope
-    qr = self.attn_q_a_norm(self.attn_q_a(x)) if cfg.q_lora_rank else None                 # the Q LoRA latent
+    qr = matmul_input(self.attn_q_a_norm(self.attn_q_a(x))) if cfg.q_lora_rank else None   # the Q LoRA latent
     q = (self.attn_q_b(qr) if cfg.q_lora_rank else self.attn_q(x)).reshape(B, T, H, cfg.head_dim)
     q_pe = apply_rope(q[..., nope:], rope, start_pos, cfg.rope.type)
     # absorb k_b into the query: [B,H,T,nope] @ [H,nope,L] -> [B,H,T,L]

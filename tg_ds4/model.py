@@ -14,7 +14,7 @@ from tg_ds4.attention import GQA
 from tg_ds4.config import ModelConfig
 from tg_ds4.dsa import DSA
 from tg_ds4.gguf import GGUFError, GGUFFile
-from tg_ds4.layers import Embedding, LayerNorm, Linear, Param, Params, RMSNorm, fusable, fuse_rows, load_weights
+from tg_ds4.layers import Embedding, LayerNorm, Linear, Param, Params, RMSNorm, fusable, fuse_rows, load_weights, matmul_input
 from tg_ds4.mla import MLA
 from tg_ds4.moe import FFN, MoE
 from tg_ds4.quant import QTensor, as_tensor
@@ -55,9 +55,9 @@ class Block:
     """`kvs`: what this forward's earlier layers hand to later ones (gemma4's KV by layer, DSA's selection);
     `per_layer`: this layer's per-layer embedding input `[B, T, per_layer_dim]` (gemma4)."""
     post = hasattr(self, "post_attention_norm")
-    a = self.attn(self.attn_norm(x), start_pos, rope, kvs)
+    a = self.attn(matmul_input(self.attn_norm(x)), start_pos, rope, kvs)
     h = x + (self.post_attention_norm(a) if post else a)
-    f = self.ffn(self.ffn_norm(h))
+    f = self.ffn(matmul_input(self.ffn_norm(h)))
     out = h + (self.post_ffw_norm(f) if post else f)
     if hasattr(self, "inp_gate"):
       if per_layer is None: raise ValueError("a block with per-layer embeddings needs its per-layer input")
@@ -147,7 +147,7 @@ class Transformer:
     return ((p + t.reshape(*x.shape[:2], L, P)) * (1 / math.sqrt(2))).contiguous()
 
   def head(self, x: Tensor) -> Tensor:
-    logits = self.output(self.output_norm(x))
+    logits = self.output(matmul_input(self.output_norm(x)))
     return (logits / (c := self.cfg.logit_softcap)).tanh() * c if self.cfg.logit_softcap else logits
 
   def check_resume(self, start_pos: int) -> None: pass  # every row of a cached prefix stays in the cache

@@ -44,6 +44,14 @@ def rotated_q_stored(device: str) -> bool:
   budgets hold."""
   return not Device[device].renderer.has_local
 
+def norm_stored(device: str) -> bool:
+  """Whether a norm's output is materialised before the matmuls that read it (one more kernel per norm). Left lazy it
+  fuses into every GEMV and GEMM that reads it and is recomputed for each output row: a multiply by the norm's weight
+  and a division by the root mean square per weight value, which bound the CPU's packed GEMVs (V2-Lite's Q4_0 FFN
+  3.3 -> 6.3 GB/s on one core). On the CPU and NULL's generic renderer; GPU renderers keep the kernel count their
+  budgets hold."""
+  return not Device[device].renderer.has_local
+
 def prepare_device(device: str) -> None:
   """Before anything is lowered for `device`: our kernel heuristic (backend/cpu/kernel_opts.py on CPU renderers, the
   CPU device or NULL lowering for it; backend/gpu/kernel_opts.py's packed GEMVs on GPU renderers) and, where clang
