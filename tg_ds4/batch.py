@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tg_ds4.runner import FEED_TOKENS, GREEDY, MAX_TOP_LOGPROBS, TOP_LOGPROBS_BUCKETS, Runner, Step, _row_to_step, reusable_prefix
+from tg_ds4.layers import host_array
 from tg_ds4.sampling import SamplingParams, rng
 
 
@@ -164,7 +165,7 @@ class Batcher:
     p, k = s.req.params, self._k([s.req])
     sampling = () if p.greedy else (*p.tensors(), rng(s.seed, 0))
     tok = r._head(p.greedy, k)(out, *sampling)
-    return self._emitted(s, tok.numpy()[0], k)
+    return self._emitted(s, host_array(tok)[0], k)
 
   def _decode(self, rows: list[_Seq]) -> list[Event]:
     n_of = lambda s: len(s.req.prompt)

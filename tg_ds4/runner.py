@@ -33,6 +33,7 @@ from tg_ds4.compat import Buffer, _to_np_dtype
 from tg_ds4.checkpoint import open_model
 from tg_ds4.gguf import GGUFFile
 from tg_ds4.jit import Jit
+from tg_ds4.layers import host_array
 from tg_ds4.rows import Rows
 from tg_ds4.sampling import SamplingParams, greedy, inputs, rng, sample
 
@@ -192,7 +193,7 @@ class Runner:
       flags, temp, top_k, top_p, min_p, rng = (np.concatenate([np.asarray(a), np.repeat(np.asarray(a)[:1], pad, 0)]) for a in sampling)
       args += [inputs(flags, bool, self.device), inputs(np.maximum(temp, 1e-6), np.float32, self.device), inputs(top_k, np.int32, self.device),
                inputs(top_p, np.float32, self.device), inputs(min_p, np.float32, self.device), inputs(rng, np.uint32, self.device)]
-    out = self._batch(B, sampling is None, logprobs)(*args).numpy()
+    out = host_array(self._batch(B, sampling is None, logprobs)(*args))
     return out[:n, 0] if logprobs is None else out[:n]
 
   def _batch(self, B: int, is_greedy: bool, k: int | None) -> Jit:
@@ -348,7 +349,7 @@ class Runner:
     else: tok = self._head(params.greedy, k)(out, *sampling(0))
     self.cached = list(prompt)
     for i in range(max_new):
-      s = Step(int(tok.item())) if logprobs is None else _row_to_step(tok.numpy()[0], k, logprobs)
+      s = Step(int(host_array(tok).item())) if logprobs is None else _row_to_step(host_array(tok)[0], k, logprobs)
       # the clocks read once the token is on the host: a GPU runs the launched steps asynchronously
       if i == 0: st.prefill_s = st.first_token_s = (t1 := time.perf_counter()) - t0
       st.generated, st.decode_s = st.generated + 1, time.perf_counter() - t1  # kept current: the caller may stop early
