@@ -70,7 +70,7 @@ class MLA:
       sh = shared if len(rows) == 1 or shared is None else shared.setdefault(("row", b), {})
       k, mask = self.rows(cache, keys, s, one(x), one(qr), p, rope, sh)                # [1,1,n,L+R], [T,n]
       # a one-token step: 8 lanes (one 256-bit accumulator); with 16, clang left V2-Lite's 576-wide scores scalar
-      scores = dot_lanes(one(q), k, 8 if T == 1 else LANES) * cfg.kq_scale             # [1,H,T,n]
+      scores = (dot_lanes(one(q), k, 8) if T == 1 else one(q).matmul(k.transpose(-1, -2), dtype=dtypes.float32)) * cfg.kq_scale  # [1,H,T,n]
       if mask is not None: scores = scores + mask
       o.append(scores.softmax(-1) @ k[..., :L])                                         # V = latent part of K
     o = o[0] if len(o) == 1 else Tensor.cat(*o)
