@@ -11,7 +11,7 @@ from tg_ds4.config import ModelConfig
 from tg_ds4.layers import Linear, Param, Params, RMSNorm, matmul_input, zeros
 from tg_ds4.actquant import round_activations
 from tg_ds4.precision import matmul_dtype
-from tg_ds4.quant import LANES, QTensor, Weight, dot_lanes, linear
+from tg_ds4.quant import QTensor, Weight, dot_lanes, linear
 from tg_ds4.rope import apply_rope
 from tg_ds4.rows import Rows, slot_rows, store_rows
 
