@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from tinygrad import Device, Tensor, UOp, dtypes
 
+from tg_ds4 import backend
 from tg_ds4.config import ModelConfig
 from tg_ds4.layers import Linear, Param, Params, RMSNorm, matmul_input, zeros
 from tg_ds4.actquant import round_activations
@@ -27,12 +28,18 @@ def causal_mask(T: int, start_pos: int | UOp, window: int = 0) -> Tensor | None:
   if window: keep = keep & ~ones.tril(start_pos - window)
   return keep.where(0.0, -3.4028234663852886e38)  # float32 min
 
-def _absorb(x: Tensor, w: Weight) -> Tensor:
+def _absorb(x: Tensor, w: Weight, gemm: bool = False) -> Tensor:
   """`linear(x, w)` for the absorb weights. A chunk unpacks each once to float32 (1-5 MB per layer), as layers.Linear
   does for the chunk GEMMs: contracted packed, every head's weight would be unpacked once per token (0.06 GB/s on a
-  V2-Lite-shaped chunk). The input is still rounded as llama.cpp rounds it for the packed format, when asked to."""
+  V2-Lite-shaped chunk). The input is still rounded as llama.cpp rounds it for the packed format, when asked to.
+  `gemm`: the product is a kernel of its own, so where the device has kernel_opts' GEMM (the CPU) the copy is laid out
+  `[H, in, out]` for it: a GEMM per head holding a vector of outputs per weight load (attn_v_b on a V2-Lite-shaped
+  128-token chunk, one core: 43 -> 9 ms a layer). attn_k_b's product is fused into the query's concatenation with its
+  rope part, which is no GEMM shape; there the `[H, out, in]` copy is the faster one (30 against 45 ms)."""
   if x.shape[-2] == 1 or not (isinstance(w, QTensor) and w.qtype.quantized): return linear(x, w)
-  return linear(round_activations(x, w.qtype.name), w.dequant(matmul_dtype()).contiguous())
+  x, wd = round_activations(x, w.qtype.name), w.dequant(matmul_dtype())
+  if not (gemm and backend.absorb_gemm(w.device)): return linear(x, wd.contiguous())
+  return linear(x, wd.transpose(-1, -2).contiguous().transpose(-1, -2))
 
 class MLA:
   gguf_flat = True
@@ -74,7 +81,7 @@ class MLA:
       if mask is not None: scores = scores + mask
       o.append(scores.softmax(-1) @ k[..., :L])                                         # V = latent part of K
     o = o[0] if len(o) == 1 else Tensor.cat(*o)
-    o = _absorb(o, self.attn_v_b.weight).transpose(1, 2).reshape(B, T, H * cfg.v_head_dim)              # [B,T,H*v_head]
+    o = _absorb(o, self.attn_v_b.weight, gemm=True).transpose(1, 2).reshape(B, T, H * cfg.v_head_dim)              # [B,T,H*v_head]
     # a chunk's heads laid out token-major first: read through the transpose, the attn_output GEMM's reduction splits
     # into head and value axes and misses kernel_opts' GEMM shape (0.3 GB/s on a V2-Lite-shaped chunk)
     return self.attn_output(o.contiguous() if T > 1 else o)

@@ -52,6 +52,11 @@ def norm_stored(device: str) -> bool:
   budgets hold."""
   return not Device[device].renderer.has_local
 
+def absorb_gemm(device: str) -> bool:
+  """Whether a chunk's attn_v_b product (mla._absorb) unpacks its weight as `[H, in, out]` for kernel_opts' GEMM. On
+  the CPU and NULL's generic renderer; GPU renderers keep the `[H, out, in]` copy their kernels were counted with."""
+  return not Device[device].renderer.has_local and compat.kernel_opts_on()
+
 def prepare_device(device: str) -> None:
   """Before anything is lowered for `device`: our kernel heuristic (backend/cpu/kernel_opts.py on CPU renderers, the
   CPU device or NULL lowering for it; backend/gpu/kernel_opts.py's packed GEMVs on GPU renderers) and, where clang

@@ -114,19 +114,32 @@ def _threads(k: Scheduler, axis: int) -> list[Opt]:
   return [Opt(OptOps.THREAD, axis, n)] if n > 1 else []
 
 def _gemm(k: Scheduler) -> Scheduler | None:
-  """The GEMM opts for a float32 weight contiguous along its one output axis, tokens along the other; None otherwise."""
-  weight = weight_operand(k)
-  if len(k.unrollable_dims) != 1 or weight.src[0].dtype != dtypes.float32: return None
+  """The GEMM opts for a float32 weight contiguous along its one output axis, tokens along the other; None otherwise.
+  A batch axis (one matrix per attention head: MLA's absorb weights over a chunk) indexes the weight and the tokens'
+  input alike and stays a loop around the GEMM. The weight is the largest input; of two as large, either (attn_v_b's
+  latent input is as big as its weight)."""
+  if len(k.unrollable_dims) != 1: return None
+  stores = {u.src[0] for u in k.ast.toposort() if u.op is Ops.STORE}
+  inputs = [b for b in k.bufs if b not in stores]
+  most = max((b.src[0].max_numel() for b in inputs), default=0)
+  for weight in [b for b in inputs if b.src[0].dtype == dtypes.float32 and b.src[0].max_numel() == most]:
+    if (alt := _gemm_on(k, weight, [b for b in inputs if b is not weight])) is not None: return alt
+  return None
+
+def _gemm_on(k: Scheduler, weight: UOp, others: list[UOp]) -> Scheduler | None:
   idx = weight.src[1].get_idx()
   outs = [a for a in k.upcastable_dims if isinstance(k.full_shape[a], int)]
   ws = [a for a in outs if k.rngs[a] in idx.backward_slice]
   t = [a for a in outs if k.rngs[a] not in idx.backward_slice]
   o = [a for a in ws if any(c is k.rngs[a] for c in idx.split_uop(Ops.ADD))]  # the weight's stride-1 output axis
+  # (the other operand of the product is the input indexed by the reduce axis too; a residual added after is not)
+  xs = [b.src[1].get_idx().backward_slice for b in others if k.rngs[k.unrollable_dims[0]] in b.src[1].get_idx().backward_slice]
+  batch = [a for a in ws if a not in o and any(k.rngs[a] in x for x in xs)]
   # a `[in, out]` weight has that one output axis; a panel copy (`[out / n, in, n]`, quant.panel_gemm) a second, the
   # panel, which is then the axis split over the cores
-  if len(t) != 1 or len(o) != 1 or len(ws) > 2: return None
+  if len(t) != 1 or len(o) != 1 or len(ws) - len(batch) > 2: return None
   (o,), (t,), (tokens, vec) = o, t, CPU.gemm
-  panel = next((a for a in ws if a != o), None)
+  panel = next((a for a in ws if a != o and a not in batch), None)
   if k.full_shape[o] % vec or k.full_shape[t] % tokens or (panel is not None and k.full_shape[o] != vec): return None
   alt = k.copy()
   try:
