@@ -165,27 +165,6 @@ def test_prefill_gemm_on_transposed_weight():
   assert ours.applied_opts[:2] == [Opt(OptOps.UPCAST, 0, kernel_opts.CPU.gemm[0]), Opt(OptOps.UPCAST, 1, kernel_opts.CPU.gemm[1])], ours.applied_opts
   assert any(o.op is OptOps.THREAD for o in ours.applied_opts) == (Device[Device.DEFAULT].renderer.global_max[0] > 1)
 
-def test_per_head_gemm_keeps_the_heads_a_loop():
-  """MLA's attn_v_b over a chunk (mla._absorb): one `[in, out]` weight per head, the heads a batch axis of the weight and
-  the latent input alike (both 16 x 512 x 128 floats). It gets the GEMM opts, tokens x outputs per iteration, whichever
-  of the two equal inputs comes first, and the right values; a residual added to a panel GEMM's output is no batch."""
-  rng = np.random.default_rng(4)
-  x, w = rng.standard_normal((1, 16, 128, 512)).astype(np.float32), rng.standard_normal((16, 512, 128)).astype(np.float32)
-  wt = Tensor(w.transpose(0, 2, 1).copy()).realize()                         # [H, out, in], as a dequantized absorb weight
-  xt, wc = Tensor(x).realize(), wt.transpose(-1, -2).contiguous().transpose(-1, -2).realize()   # [H, in, out] in memory
-  (k,) = schedulers(xt @ wc.transpose(-1, -2))
-  t = xt @ wc.transpose(-1, -2)
-  ours = kernel_opts.cpu_heuristic(k.copy())
-  tokens, vec = kernel_opts.CPU.gemm
-  assert [o.arg for o in ours.applied_opts[:2] if o.op is OptOps.UPCAST] == [tokens, vec], ours.applied_opts
-  ref = np.einsum("hti,hio->hto", x[0].astype(np.float64), w.astype(np.float64))
-  np.testing.assert_allclose(t.numpy()[0], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-  res = Tensor.ones(1, 32, 4096).contiguous().realize()
-  gemm = schedulers(panel_gemm(Tensor.ones(1, 32, 1024).contiguous().realize(), packed("Q4_0", 4096, 1024).dequant(dtypes.float32), vec) + res)[-1]
-  g = kernel_opts.cpu_heuristic(gemm.copy())
-  panels = [a for a, n in enumerate(gemm.full_shape) if n == 4096 // vec]                  # split over the cores, not the outputs
-  assert [o.axis for o in g.applied_opts if o.op is OptOps.THREAD] == (panels if Device[Device.DEFAULT].renderer.global_max[0] > 1 else [])
-
 def test_transposing_unpack_reads_each_block_once():
   (k,) = schedulers(packed("Q5_0", 4096, 896).dequant(dtypes.float32).T.contiguous())  # qwen2.5 widths
   ours = kernel_opts.cpu_heuristic(k.copy())
@@ -208,6 +187,30 @@ def test_panel_gemm_reads_each_panel_contiguously_and_splits_panels_over_cores(u
   g = kernel_opts.cpu_heuristic(gemm.copy())
   assert g.applied_opts[:2] == [Opt(OptOps.UPCAST, 1, tokens), Opt(OptOps.UPCAST, 2, n)], g.applied_opts
   assert [o.axis for o in g.applied_opts if o.op is OptOps.THREAD] == ([0] if Device[Device.DEFAULT].renderer.global_max[0] > 1 else [])
+
+@pytest.mark.parametrize("unit", sorted(UNITS))
+def test_per_head_gemm_keeps_the_heads_a_loop(unit, monkeypatch):
+  """MLA's attn_v_b over a chunk (mla._absorb): one `[in, out]` weight per head, the heads a batch axis of the weight and
+  the latent input alike (both 16 x 512 x 128 floats). It gets the GEMM opts, tokens x outputs per iteration, whichever
+  of the two equal inputs comes first, and the right values; a residual added to a panel GEMM's output is no batch. For
+  every vector unit the rules know."""
+  monkeypatch.setattr(kernel_opts, "CPU", UNITS[unit])
+  rng = np.random.default_rng(4)
+  x, w = rng.standard_normal((1, 16, 128, 512)).astype(np.float32), rng.standard_normal((16, 512, 128)).astype(np.float32)
+  wt = Tensor(w.transpose(0, 2, 1).copy()).realize()                         # [H, out, in], as a dequantized absorb weight
+  xt, wc = Tensor(x).realize(), wt.transpose(-1, -2).contiguous().transpose(-1, -2).realize()   # [H, in, out] in memory
+  (k,) = schedulers(xt @ wc.transpose(-1, -2))
+  t = xt @ wc.transpose(-1, -2)
+  ours = kernel_opts.cpu_heuristic(k.copy())
+  tokens, vec = kernel_opts.CPU.gemm
+  assert [o.arg for o in ours.applied_opts[:2] if o.op is OptOps.UPCAST] == [tokens, vec], ours.applied_opts
+  ref = np.einsum("hti,hio->hto", x[0].astype(np.float64), w.astype(np.float64))
+  np.testing.assert_allclose(t.numpy()[0], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+  res = Tensor.ones(1, 32, 4096).contiguous().realize()
+  gemm = schedulers(panel_gemm(Tensor.ones(1, 32, 1024).contiguous().realize(), packed("Q4_0", 4096, 1024).dequant(dtypes.float32), vec) + res)[-1]
+  g = kernel_opts.cpu_heuristic(gemm.copy())
+  panels = [a for a, n in enumerate(gemm.full_shape) if n == 4096 // vec]                  # split over the cores, not the outputs
+  assert [o.axis for o in g.applied_opts if o.op is OptOps.THREAD] == (panels if Device[Device.DEFAULT].renderer.global_max[0] > 1 else [])
 
 @pytest.mark.parametrize("unit,rows", [("avx2", 16), ("avx512", 24), ("neon", 32), ("sse", 8)])  # (rows: a kernel per unit)
 def test_panel_gemm_values(unit, rows, monkeypatch):
