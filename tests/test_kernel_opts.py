@@ -176,17 +176,25 @@ UNITS = {"avx2": kernel_opts.AVX2, "avx512": kernel_opts.AVX512, "neon": kernel_
 @pytest.mark.parametrize("unit", sorted(UNITS))
 def test_panel_gemm_reads_each_panel_contiguously_and_splits_panels_over_cores(unit, monkeypatch):
   """layers.matmul's CPU prefill form: the weight unpacked once as panels `[out/n, in, n]`, each a contiguous run; the GEMM
-  holds n outputs x a few tokens per iteration, the panels split over the cores. For every vector unit the rules know."""
+  holds a few tokens x the outputs of one or two panels per iteration, the panels outermost (each stays in cache while
+  every token passes it; also where the output is stored token-major, as when a residual is added to it) and split over
+  the cores. For every vector unit the rules know."""
   monkeypatch.setattr(kernel_opts, "CPU", UNITS[unit])
-  tokens, n = kernel_opts.CPU.gemm
-  unpack, gemm = schedulers(panel_gemm(Tensor.ones(1, 32, 1024).contiguous().realize(), packed("Q4_0", 4096, 1024).dequant(dtypes.float32), n))
+  (tokens, vec), n = kernel_opts.CPU.gemm, kernel_opts.CPU.panel
+  x, w = Tensor.ones(1, 32, 1024).contiguous().realize(), packed("Q4_0", 4096, 1024).dequant(dtypes.float32)
+  unpack, gemm = schedulers(panel_gemm(x, w, n))
   u = kernel_opts.cpu_heuristic(unpack.copy())
   # a panel row x the whole byte run of a block per iteration
   assert u.applied_opts[:2] == [Opt(OptOps.UPCAST, 4, n), Opt(OptOps.UPCAST, 3, 0)], (unpack.full_shape, u.applied_opts)
-  assert gemm.full_shape == [4096 // n, 32, n, 1024]  # panels outermost: each stays in cache while every token passes it
+  assert gemm.full_shape == [4096 // n, 32, n, 1024]
   g = kernel_opts.cpu_heuristic(gemm.copy())
-  assert g.applied_opts[:2] == [Opt(OptOps.UPCAST, 1, tokens), Opt(OptOps.UPCAST, 2, n)], g.applied_opts
-  assert [o.axis for o in g.applied_opts if o.op is OptOps.THREAD] == ([0] if Device[Device.DEFAULT].renderer.global_max[0] > 1 else [])
+  assert [(o.axis, o.arg) for o in g.applied_opts if o.op is OptOps.UPCAST] == [(1, tokens)] + ([(0, vec // n)] if vec > n else []) + [(2, n)]
+  threads = 2 if Device[Device.DEFAULT].renderer.global_max[0] > 1 else 1
+  assert [o.axis for o in g.applied_opts if o.op is OptOps.THREAD] == ([0] if threads > 1 else [])
+  residual = schedulers(panel_gemm(x, w, n) + Tensor.ones(1, 32, 4096).contiguous().realize())[-1]
+  assert residual.full_shape == [32, 4096 // n, n, 1024]  # stored token-major: the tokens come first
+  r = kernel_opts.cpu_heuristic(residual.copy())
+  assert r.full_shape == g.full_shape and r.axis_types == g.axis_types and g.full_shape[0] * threads * vec == 4096, (r.full_shape, g.full_shape)
 
 @pytest.mark.parametrize("unit", sorted(UNITS))
 def test_per_head_gemm_keeps_the_heads_a_loop(unit, monkeypatch):
@@ -206,22 +214,25 @@ def test_per_head_gemm_keeps_the_heads_a_loop(unit, monkeypatch):
   assert [o.arg for o in ours.applied_opts[:2] if o.op is OptOps.UPCAST] == [tokens, vec], ours.applied_opts
   ref = np.einsum("hti,hio->hto", x[0].astype(np.float64), w.astype(np.float64))
   np.testing.assert_allclose(t.numpy()[0], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-  res = Tensor.ones(1, 32, 4096).contiguous().realize()
-  gemm = schedulers(panel_gemm(Tensor.ones(1, 32, 1024).contiguous().realize(), packed("Q4_0", 4096, 1024).dequant(dtypes.float32), vec) + res)[-1]
+  res, n = Tensor.ones(1, 32, 4096).contiguous().realize(), kernel_opts.CPU.panel
+  gemm = schedulers(panel_gemm(Tensor.ones(1, 32, 1024).contiguous().realize(), packed("Q4_0", 4096, 1024).dequant(dtypes.float32), n) + res)[-1]
   g = kernel_opts.cpu_heuristic(gemm.copy())
-  panels = [a for a, n in enumerate(gemm.full_shape) if n == 4096 // vec]                  # split over the cores, not the outputs
-  assert [o.axis for o in g.applied_opts if o.op is OptOps.THREAD] == (panels if Device[Device.DEFAULT].renderer.global_max[0] > 1 else [])
+  assert [o.arg for o in g.applied_opts if o.op is OptOps.UPCAST] == [tokens] + ([vec // n] if vec > n else []) + [n], g.applied_opts
+  threads = 2 if Device[Device.DEFAULT].renderer.global_max[0] > 1 else 1  # split over the cores: the panels, not the outputs
+  assert g.full_shape[0] * threads * vec == 4096 and any(o.op is OptOps.THREAD for o in g.applied_opts) == (threads > 1), g.full_shape
 
 @pytest.mark.parametrize("unit,rows", [("avx2", 16), ("avx512", 24), ("neon", 32), ("sse", 8)])  # (rows: a kernel per unit)
 def test_panel_gemm_values(unit, rows, monkeypatch):
   monkeypatch.setattr(kernel_opts, "CPU", UNITS[unit])
-  rng, qt, n = np.random.default_rng(1), QTYPE_BY_NAME["Q4_0"], kernel_opts.CPU.gemm[1]
+  rng, qt, n = np.random.default_rng(1), QTYPE_BY_NAME["Q4_0"], kernel_opts.CPU.panel
   blocks = rng.integers(0, 256, (256, 512 // 32, qt.nbytes), dtype=np.uint8)
   blocks[..., :2] = (rng.standard_normal((256, 16, 1)) * 0.01).astype(np.float16).view(np.uint8)
   w = QTensor(Tensor(blocks).realize(), qt, (256, 512)).dequant(dtypes.float32)
-  x = rng.standard_normal((1, rows, 512)).astype(np.float32)
+  x, res = rng.standard_normal((1, rows, 512)).astype(np.float32), rng.standard_normal((1, rows, 256)).astype(np.float32)
   ref = x.astype(np.float64) @ w.numpy().astype(np.float64).T
   np.testing.assert_allclose(panel_gemm(Tensor(x), w, n).numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+  # stored token-major (a residual added): the loops swapped to put the panels outermost
+  np.testing.assert_allclose((panel_gemm(Tensor(x), w, n) + Tensor(res)).numpy(), ref + res, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 def test_other_kernels_unchanged():
   w = Tensor.ones(256, 64).contiguous().realize()  # [out, in]: contiguous along the reduce axis, neither GEMM_OPTS nor lanes

@@ -20,7 +20,7 @@ def gemm_panel(device: str) -> int | None:
   `[in, out]` copy. On the CPU, the outputs of one vector GEMM iteration (backend/cpu/kernel_opts.py)."""
   if not on_cpu(device) or not compat.kernel_opts_on(): return None
   from tg_ds4.backend.cpu.kernel_opts import CPU
-  return CPU.gemm[1]
+  return CPU.panel
 
 def in_range_gathers(device: str) -> bool:
   """Whether a gather index (expert or token ids, always in range) is taken modulo its axis as unsigned before it

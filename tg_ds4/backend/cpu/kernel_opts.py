@@ -15,10 +15,10 @@ contracting such a weight (contiguous along its one output axis) with tokens alo
 builds dot products along the reduce axis (~20-36 GFLOP/s on 2 cores for qwen2.5's ffn). Instead each iteration here
 holds a group of tokens x outputs (a vector per token, one weight load for a multiply-add per token), the
 accumulators filling about half the vector registers: 8 tokens x 16 outputs where there are 32 (AVX-512, NEON; ~64
-GFLOP/s on 2 AVX-512 cores for qwen2.5's and smollm2's chunk GEMMs, 4 tokens: 34-57), 8 x 8 where there are 16
-256-bit ones (AVX2). tinygrad coalesces float accesses into at most 4 floats, from which clang builds 128-bit
-multiply-adds; on CPUs with 256-bit vectors `_wide_access` joins adjacent ones into 8, and the accumulators live in
-ymm registers (qwen2.5's ffn_up, 2 AMD EPYC cores: 4 x 16 in xmm ~21 GFLOP/s median, 8 x 8 in ymm ~33, interleaved runs).
+GFLOP/s on 2 AVX-512 cores for qwen2.5's and smollm2's chunk GEMMs, 4 tokens: 34-57), 4 x 16 where there are 16
+256-bit ones (AVX2: two ymm of outputs per token, so each multiply-add needs half a broadcast where 8 x 8 needed one).
+tinygrad coalesces float accesses into at most 4 floats, from which clang builds 128-bit multiply-adds; on CPUs with
+256-bit vectors `_wide_access` joins adjacent ones into 8, and the accumulators live in ymm registers.
 
 Upcasts never change the order in which an output is summed, and an unrolled reduce is rendered as one left-to-right
 accumulator chain (`acc + a + b`), so results are bitwise the same. Kernels tuned by BEAM are not touched."""
@@ -30,8 +30,8 @@ from tinygrad import dtypes
 from tg_ds4.backend.cpu import compiler
 from tg_ds4.backend.gpu import kernel_opts as gpu_kernel_opts
 from tg_ds4.backend.gpu.kernel_opts import NESTED, weight_operand
-from tg_ds4.compat import AxisType, ClangRenderer, KernelOptError, Opt, OptOps, Ops, PatternMatcher, Scheduler, UOp, UPat, codegen, heuristic, \
-  prod, worker
+from tg_ds4.compat import AxisType, ClangRenderer, KernelOptError, Opt, OptOps, Ops, PatternMatcher, Scheduler, UOp, UPat, codegen, graph_rewrite, \
+  heuristic, prod, remove_all_tags, worker
 
 LANES = 16
 # a packed format whose lane axis is shorter than LANES (IQ2_XXS: a grid row of 8) still gains from dropping the row
@@ -56,7 +56,14 @@ class VectorUnit:
   def gemm(self) -> tuple[int, int]:
     """(tokens, outputs) of a GEMM iteration: the accumulators fill half the vector registers; the rest hold the weight
     row, the broadcast token values and the addresses. More tokens per weight pass mean fewer passes over the weight."""
-    return (8, 16) if self.registers >= 32 else (8, 8) if self.floats == 8 else (4, 16)
+    return (8, 16) if self.registers >= 32 else (4, 16)
+
+  @property
+  def panel(self) -> int:
+    """Outputs per panel of a prefill GEMM's unpacked weight (quant.panel_gemm): a GEMM iteration's outputs, or on AVX2
+    one ymm of them, two panels an iteration (16-float panels made the transposing unpack ~1.4x slower, and changed
+    how the chunk's MLA query concatenation, which reads a panel GEMM's output, is split: 5x slower there)."""
+    return 8 if self.floats == 8 and self.registers < 32 else self.gemm[1]
 
 AVX512, AVX2, NEON, SSE = VectorUnit("avx512", 32, 8), VectorUnit("avx2", 16, 8), VectorUnit("neon", 32, 4), VectorUnit("sse", 16, 4)
 
@@ -140,14 +147,28 @@ def _gemm_on(k: Scheduler, weight: UOp, others: list[UOp]) -> Scheduler | None:
   if len(t) != 1 or len(o) != 1 or len(ws) - len(batch) > 2: return None
   (o,), (t,), (tokens, vec) = o, t, CPU.gemm
   panel = next((a for a in ws if a != o and a not in batch), None)
-  if k.full_shape[o] % vec or k.full_shape[t] % tokens or (panel is not None and k.full_shape[o] != vec): return None
+  # a panel narrower than an iteration's outputs (AVX2: panels of 8, 16 outputs) gives it that many adjacent panels
+  n = vec if panel is None else k.full_shape[o]
+  if vec % n or k.full_shape[o] % n or k.full_shape[t] % tokens or (panel is not None and k.full_shape[panel] % (vec // n)): return None
   alt = k.copy()
   try:
     # tokens first: the accumulators are then laid out token-major, and clang vectorizes them along the outputs
-    for opt in [Opt(OptOps.UPCAST, t, tokens), Opt(OptOps.UPCAST, o, vec)]: alt.apply_opt(opt)
+    opts = [Opt(OptOps.UPCAST, t, tokens)] + ([Opt(OptOps.UPCAST, panel, vec // n)] if vec > n else []) + [Opt(OptOps.UPCAST, o, n)]
+    for opt in opts: alt.apply_opt(opt)
+    # panels outermost: a panel then stays in cache while every token passes it; with the tokens outermost (the order
+    # of a GEMM whose output is stored token-major) each group of tokens streams the whole weight again
+    if panel is not None and t < panel: panel = _swap_loops(alt, t, panel)
     for opt in _threads(alt, o if panel is None else panel): alt.apply_opt(opt)
   except KernelOptError: return None
   return alt
+
+def _swap_loops(k: Scheduler, a: int, b: int) -> int:
+  """OptOps.SWAP for loop axes (tinygrad allows it for GPU launch axes only): the two ranges trade their places in the
+  loop nest, and so their axis numbers; returns where axis `b` now is."""
+  ra, rb = k.rngs[a], k.rngs[b]
+  k.ast = graph_rewrite(k.ast.substitute({ra: ra.replace(arg=(*rb.arg[:-1], ra.arg[-1]), tag=1),
+                                          rb: rb.replace(arg=(*ra.arg[:-1], rb.arg[-1]), tag=1)}), remove_all_tags)
+  return a
 
 def _stride1(b: UOp, k: Scheduler) -> list[int]:
   return [a for a in range(len(k.rngs)) if any(c is k.rngs[a] for c in b.src[1].get_idx().split_uop(Ops.ADD))]
