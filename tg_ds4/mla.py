@@ -79,7 +79,10 @@ class MLA:
       # a one-token step: 8 lanes (one 256-bit accumulator); with 16, clang left V2-Lite's 576-wide scores scalar
       scores = (dot_lanes(one(q), k, 8) if T == 1 else one(q).matmul(k.transpose(-1, -2), dtype=dtypes.float32)) * cfg.kq_scale  # [1,H,T,n]
       if mask is not None: scores = scores + mask
-      o.append(scores.softmax(-1) @ k[..., :L])                                         # V = latent part of K
+      p = scores.softmax(-1)
+      # a chunk's heads and tokens as one axis of rows: through the 4-D matmul, the latent rows' (symbolic) count split
+      # the probabilities' address into a division and a modulo per multiply-add (3x slower)
+      o.append(p @ k[..., :L] if T == 1 else (p.reshape(H * T, p.shape[-1]) @ k[0, 0, :, :L]).reshape(1, H, T, L))   # V = latent part of K
     o = o[0] if len(o) == 1 else Tensor.cat(*o)
     o = _absorb(o, self.attn_v_b.weight, gemm=True).transpose(1, 2).reshape(B, T, H * cfg.v_head_dim)              # [B,T,H*v_head]
     # a chunk's heads laid out token-major first: read through the transpose, the attn_output GEMM's reduction splits
