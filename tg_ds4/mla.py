@@ -81,7 +81,7 @@ class MLA:
       if mask is not None: scores = scores + mask
       p = scores.softmax(-1)
       # a chunk's heads and tokens as one axis of rows: through the 4-D matmul, the latent rows' (symbolic) count split
-      # the probabilities' address into a division and a modulo per multiply-add (3x slower)
+      # the probabilities' address into a division and a modulo per multiply-add
       o.append(p @ k[..., :L] if T == 1 else (p.reshape(H * T, p.shape[-1]) @ k[0, 0, :, :L]).reshape(1, H, T, L))   # V = latent part of K
     o = o[0] if len(o) == 1 else Tensor.cat(*o)
     o = _absorb(o, self.attn_v_b.weight, gemm=True).transpose(1, 2).reshape(B, T, H * cfg.v_head_dim)              # [B,T,H*v_head]

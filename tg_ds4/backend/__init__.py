@@ -17,7 +17,7 @@ def on_cpu(device: str | None) -> bool: return (device or Device.DEFAULT).split(
 def gemm_panel(device: str) -> int | None:
   """How many outputs a panel of a prefill GEMM's unpacked weight holds on `device` (layers.matmul lays the float copy
   out as `[out / n, in, n]`: every iteration of the GEMM kernel then reads one contiguous run), or None for the plain
-  `[in, out]` copy. On the CPU, the outputs of one vector GEMM iteration (backend/cpu/kernel_opts.py)."""
+  `[in, out]` copy. On the CPU, kernel_opts' `CPU.panel`: the outputs of one vector GEMM iteration, or half of them."""
   if not on_cpu(device) or not compat.kernel_opts_on(): return None
   from tg_ds4.backend.cpu.kernel_opts import CPU
   return CPU.panel
