@@ -6,7 +6,7 @@ import pytest
 from tinygrad import Tensor
 
 from tg_ds4.config import Gating, ModelConfig, RopeConfig, RopeType
-from tg_ds4.moe import MoE, topk_ids
+from tg_ds4.moe import TILE_ROWS, MoE, expert_tiles, group_by_expert, topk_ids
 
 
 def _cfg(**kw) -> ModelConfig:
@@ -51,7 +51,8 @@ def test_topk_ties_prefer_lower_index():
   assert topk_ids(x, 3).numpy().tolist() == [[0, 2, 4]]
   assert topk_ids(x, 4).numpy().tolist() == [[0, 2, 4, 3]]
 
-def test_expert_ffn_matches_numpy():
+@pytest.mark.parametrize("T", [3, 24])  # 24 tokens x 4 experts: the pairs grouped by expert into tiles (group_by_expert)
+def test_expert_ffn_matches_numpy(T):
   cfg = dataclasses.replace(_cfg(gating=Gating.SIGMOID, expert_weights_norm=True, expert_weights_scale=1.5), n_expert_shared=1)
   rng = np.random.default_rng(7)
   E, D, F = 16, 16, 8
@@ -62,12 +63,26 @@ def test_expert_ffn_matches_numpy():
   moe.ffn_down_exps.weight = Tensor(ws["down"])
   sh = moe.shexp
   sh.ffn_gate_shexp.weight, sh.ffn_up_shexp.weight, sh.ffn_down_shexp.weight = Tensor(ws["sg"]), Tensor(ws["su"]), Tensor(ws["sd"])
-  x = rng.standard_normal((1, 3, D)).astype(np.float32)
+  x = rng.standard_normal((1, T, D)).astype(np.float32)
+  assert moe.tiled(T * cfg.n_expert_used, Tensor(x).device) == (T > 3)
   ids, w = _ref_route(x @ ws["inp"].T, None, cfg)
   silu = lambda z: z / (1 + np.exp(-z))
   ref = np.zeros_like(x)
-  for t in range(3):
+  for t in range(T):
     for e, we in zip(ids[0, t], w[0, t]):
       ref[0, t] += we * (ws["down"][e] @ (silu(ws["gate"][e] @ x[0, t]) * (ws["up"][e] @ x[0, t])))
     ref[0, t] += ws["sd"] @ (silu(ws["sg"] @ x[0, t]) * (ws["su"] @ x[0, t]))
   np.testing.assert_allclose(moe(Tensor(x)).numpy(), ref, rtol=1e-4, atol=1e-5)
+
+@pytest.mark.parametrize("routing", ["random", "one expert", "two experts"])
+def test_group_by_expert(routing):
+  """Every (token, expert) pair lands in a row of a tile of its own expert, each row holds at most one pair, pairs keep
+  their order within an expert, and the tiles fit whatever the routing (all pairs on one expert fill whole tiles)."""
+  rng, P, E = np.random.default_rng(3), 96, 16
+  e = {"random": rng.integers(0, E, P), "one expert": np.full(P, 5), "two experts": rng.choice([2, 11], P)}[routing]
+  n_tiles = expert_tiles(P, E)
+  tile_expert, pair, slot = (t.numpy() for t in group_by_expert(Tensor(e.astype(np.int32)), E, n_tiles))
+  assert tile_expert.shape == (n_tiles,) and pair.shape == (n_tiles, TILE_ROWS) and slot.shape == (P,)
+  assert len(set(slot.tolist())) == P and slot.max() < n_tiles * TILE_ROWS
+  assert (tile_expert[slot // TILE_ROWS] == e).all() and (pair.reshape(-1)[slot] == np.arange(P)).all()
+  for x in set(e.tolist()): assert (np.diff(slot[e == x]) > 0).all()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from tinygrad import Tensor, dtypes
 
+from tg_ds4 import backend
 from tg_ds4.config import Gating, ModelConfig
 from tg_ds4.layers import Linear, Param, Params, RMSNorm
 from tg_ds4.precision import matmuls_in
@@ -35,6 +36,33 @@ def topk_ids_values(x: Tensor, k: int, values: Tensor) -> tuple[Tensor, Tensor]:
   pairs = Tensor.arange(x.shape[-1]).float().expand(values.shape).stack(values.float(), dim=-1)  # [..., n, 2]
   sel = _topk_onehot(x, k).unsqueeze(-1).where(pairs.unsqueeze(-3), 0.0).sum(-2)                 # [..., k, 2]
   return sel[..., 0].cast(dtypes.int32), sel[..., 1]
+
+TILE_ROWS = 4  # tokens per expert tile of a chunk: kernel_opts holds up to GEMV_ROWS rows of a packed GEMV in registers
+# what a tile's GEMVs cost in one-pair GEMVs: V2-Lite's Q4_0 experts over a 128-token chunk, 256 tiles against 768
+# pairs, one core: 1378 ms against 2061 (so ~2.0); in a C microbenchmark of the same loop 1.7
+TILE_COST = 2
+
+def expert_tiles(pairs: int, n_expert: int) -> int:
+  """Tiles of TILE_ROWS rows that hold `pairs` (token, expert) pairs grouped by expert, whatever the routing: each
+  expert's pairs fill whole tiles but its last."""
+  return -(-pairs // TILE_ROWS) + n_expert
+
+def group_by_expert(e: Tensor, n_expert: int, n_tiles: int) -> tuple[Tensor, Tensor, Tensor]:
+  """A chunk's (token, expert) pairs (`e` `[P]`: each pair's expert) grouped by expert into `n_tiles` tiles of TILE_ROWS
+  rows, on the device with static shapes (counts, ranks and prefix sums as compares and sums): expert e's pairs fill
+  tiles start_e .. in pair order, so each tile holds one expert. -> (each tile's expert `[n_tiles]`, each tile row's pair
+  `[n_tiles, TILE_ROWS]`, each pair's row `[P]`). A row no pair fills reads pair 0 and is never read back; the tiles
+  after the last used one take expert n_expert - 1 (their bytes come from memory once, then from cache)."""
+  R, ar = TILE_ROWS, Tensor.arange(e.shape[0])
+  onehot = e.unsqueeze(-1) == Tensor.arange(n_expert)                                         # [P, E]
+  tiles = (onehot.sum(0) + R - 1) // R                                                        # [E]: tiles per expert
+  ex = Tensor.arange(n_expert)
+  end = (ex.unsqueeze(1) >= ex.unsqueeze(0)).where(tiles.unsqueeze(0), 0).sum(-1)            # [E]: inclusive prefix sums
+  rank = ((e.unsqueeze(0) == e.unsqueeze(1)) & (ar.unsqueeze(0) < ar.unsqueeze(1))).sum(-1)  # [P]: earlier pairs of its expert
+  slot = onehot.where((end - tiles).unsqueeze(0), 0).sum(-1) * R + rank                      # [P]
+  tile_expert = (end.unsqueeze(0) <= Tensor.arange(n_tiles).unsqueeze(1)).sum(-1).minimum(n_expert - 1)
+  pair = (slot.unsqueeze(0) == Tensor.arange(n_tiles * R).unsqueeze(1)).where(ar, 0).sum(-1)  # [n_tiles * R]
+  return tile_expert.cast(dtypes.int32), pair.reshape(n_tiles, R).cast(dtypes.int32), slot.cast(dtypes.int32)
 
 def _swiglu(g: Tensor, u: Tensor, act: str = "silu") -> Tensor:
   """act(gate) * up as three kernels' worth of barriers: the gate GEMV alone, the up GEMV with the activation as its
@@ -101,23 +129,42 @@ class MoE:
 
   def _act(self, g: Tensor, u: Tensor) -> Tensor: return _swiglu(g, u)
 
-  def _ffn_exps(self, h: Tensor, idx: Tensor) -> Tensor:
+  def _ffn_exps(self, h: Tensor, idx: Tensor, affine: bool = True) -> Tensor:
     """The routed experts' SwiGLU on rows `h` `[*lead, rows, D]` with the experts `idx` (shape `lead`) -> `[*lead, rows, D]`."""
     if hasattr(self, "ffn_gate_up_exps"):
-      gu = linear(h, self.ffn_gate_up_exps.weight[idx])
+      gu = linear(h, self.ffn_gate_up_exps.weight[idx], affine=affine)
       F = gu.shape[-1] // 2
       act = (gu[..., :F].silu() * gu[..., F:]).contiguous()
-    else: act = self._act(linear(h, self.ffn_gate_exps.weight[idx]), linear(h, self.ffn_up_exps.weight[idx]))
+    else: act = self._act(linear(h, self.ffn_gate_exps.weight[idx], affine=affine), linear(h, self.ffn_up_exps.weight[idx], affine=affine))
     # materialised: the weighted sum over experts then fuses into the residual add instead of into the down GEMV,
     # whose reduction over experts and rows together ran at a quarter of the speed
-    return linear(act, self.ffn_down_exps.weight[idx]).contiguous()
+    return linear(act, self.ffn_down_exps.weight[idx], affine=affine).contiguous()
 
   def experts(self, x: Tensor, ids: Tensor, w: Tensor) -> Tensor:
-    """`sum_j w[..., j] * expert_{ids[..., j]}(x)` for x `[B,T,D]`: a GEMV per token and selected expert, reading only
-    the selected experts' bytes. For a chunk the sum is materialised: left lazy, it fuses into the shared expert's down
-    GEMM as a second reduction of the same kernel (0.28 GB/s on a V2-Lite-shaped 32-token chunk)."""
-    y = (self._ffn_exps(x.unsqueeze(-2).unsqueeze(-2), ids).squeeze(-2) * w.unsqueeze(-1)).sum(-2)   # [B,T,k,D] -> [B,T,D]
-    return y.contiguous() if x.shape[0] * x.shape[1] > 1 else y
+    """`sum_j w[..., j] * expert_{ids[..., j]}(x)` for x `[B,T,D]`, reading only the selected experts' bytes: a GEMV per
+    token and selected expert, or (`tiled`) the chunk's pairs grouped by expert, each tile a GEMV over TILE_ROWS tokens.
+    For a chunk the sum is materialised: left lazy, it fuses into the shared expert's down GEMM as a second reduction of
+    the same kernel (0.28 GB/s on a V2-Lite-shaped 32-token chunk)."""
+    B, T, D = x.shape
+    if not self.tiled(B * T * ids.shape[-1], x.device):
+      y = self._ffn_exps(x.unsqueeze(-2).unsqueeze(-2), ids).squeeze(-2)                              # [B,T,k,D]
+    else:
+      tile_expert, pair, slot = group_by_expert(ids.flatten(), self.cfg.n_expert, expert_tiles(B * T * ids.shape[-1], self.cfg.n_expert))
+      # the tile's expert broadcast over its rows before the gather, not the gathered weight after it: tinygrad realizes
+      # a gather (a one-hot reduce) that is broadcast, here every tile's weights unpacked to float32 (25 GB a V2-Lite-
+      # shaped chunk); gathered per row with one index, every row's loads are one load, which kernel_opts holds in
+      # registers. Each value unpacked whole (not quant.linear's per-block affine sums, which cost a multiply and an
+      # add per row and value): the tile's rows then cost one multiply-add each per value.
+      rows = self._ffn_exps(x.reshape(B * T, D)[pair // ids.shape[-1]].unsqueeze(-2), tile_expert.unsqueeze(-1).expand(pair.shape),
+                            affine=False)
+      y = rows.reshape(-1, D)[slot].reshape(*ids.shape, D)                                          # each pair's row
+    y = (y * w.unsqueeze(-1)).sum(-2)                                                               # [B,T,D]
+    return y.contiguous() if B * T > 1 else y
+
+  def tiled(self, pairs: int, device: str) -> bool:
+    """Whether `pairs` (token, expert) pairs run as expert tiles: where the backend asks for them (backend.expert_tiles)
+    and the tiles, each costing TILE_COST one-pair GEMVs, cost less than the pairs' own GEMVs."""
+    return pairs > self.cfg.n_expert_used and backend.expert_tiles(device) and TILE_COST * expert_tiles(pairs, self.cfg.n_expert) < pairs
 
   def __call__(self, x: Tensor) -> Tensor:
     y = self.experts(x, *self.route(x))

@@ -464,7 +464,7 @@ LANES = 16       # accumulators per row in a GEMV: 16 float32 = one 512-bit vect
 LANES_MAX_ROWS = 8  # x rows per weight matrix up to which `linear` uses the lanes form (measured: 5x at 1 row, 2.5x at 8,
                     # 0.5x at 16 and 32, where the plain matmul form is better)
 
-def linear(x: Tensor, w: Weight, bias: Weight | None = None, dtype: DType | None = None) -> Tensor:
+def linear(x: Tensor, w: Weight, bias: Weight | None = None, dtype: DType | None = None, affine: bool = True) -> Tensor:
   """`x @ w.T (+ bias)` with `w` `[out, in]` (or `[E, out, in]` after an expert gather, then x is `[E, ..., in]`).
   The dequantization is part of the same lazy graph, so a GEMV is one kernel that reads only packed bytes. Quantized
   weights are contracted in their load order, with x permuted to match. For a GEMV (one weight matrix or a gather of
@@ -473,7 +473,9 @@ def linear(x: Tensor, w: Weight, bias: Weight | None = None, dtype: DType | None
   compiler turns into vector multiply-adds; a plain dot product is one chain of dependent scalar adds (float addition
   is not reassociated). Under `actquant.llama_cpp_activations()`, x is first rounded the way llama.cpp rounds the
   input of a matmul with this weight type. `dtype`: that of x and the dequantized weight (default precision.matmul_dtype(),
-  float32 unless the model asks for half); accumulation and the result are float32 either way."""
+  float32 unless the model asks for half); accumulation and the result are float32 either way. `affine=False` keeps
+  the per-value form where the format has a per-block one: rows that share one weight (moe's expert tiles) then cost
+  one multiply-add each per unpacked value, where the affine sums cost a multiply and an add per row and value."""
   dtype, f32 = dtype or matmul_dtype(), dtypes.float32
   if isinstance(w, QTensor): x = round_activations(x, w.qtype.name)
   if isinstance(w, QTensor) and w.qtype.quantized:
@@ -489,7 +491,7 @@ def linear(x: Tensor, w: Weight, bias: Weight | None = None, dtype: DType | None
         li = p.ndim - k + 1 + lay.order.index(lay.lane)
         p = p.reshape(*p.shape[:li], n // wd, wd, *p.shape[li + 1:])
         return p.permute(*(i for i in range(p.ndim) if i != li + 1), li + 1)     # the lanes last, the rest in load order
-      if qt.affine is not None and prod(lay.shape) > wd and backend.affine_gemv(w.device):
+      if qt.affine is not None and prod(lay.shape) > wd and backend.affine_gemv(w.device) and affine:
         # per block and lane: d * (sum x q + c * sum x), the sums over the block's values that share the lane; c * sum x
         # once per x (a small kernel of its own), not per output row
         d, q, c = w.affine(wd, dtype)

@@ -37,6 +37,13 @@ def affine_gemv(device: str) -> bool:
   `TG_DS4_AFFINE_GEMV=0` keeps the per-value form."""
   return not Device[device].renderer.has_local and compat.kernel_opts_on() and os.environ.get("TG_DS4_AFFINE_GEMV", "1") != "0"
 
+def expert_tiles(device: str) -> bool:
+  """Whether a prefill chunk's routed experts run as tiles of tokens grouped by expert (moe.MoE.experts): each weight
+  value unpacked once per tile instead of once per (token, expert) pair, which bounds the CPU's packed GEMVs. On the
+  CPU and NULL's generic renderer; GPU renderers keep the per-pair GEMVs their kernel budgets were counted with.
+  `TG_DS4_EXPERT_TILES=0` keeps the per-pair GEMVs."""
+  return not Device[device].renderer.has_local and os.environ.get("TG_DS4_EXPERT_TILES", "1") != "0"
+
 def rotated_q_stored(device: str) -> bool:
   """Whether a decode step's GQA attention stores its rotated q once (one more kernel per layer) instead of rotating q
   again for every cached key its scores kernel reads: on the CPU (and NULL's generic renderer, which schedules as the
