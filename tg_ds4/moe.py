@@ -164,7 +164,7 @@ class MoE:
   def tiled(self, pairs: int, device: str) -> bool:
     """Whether `pairs` (token, expert) pairs run as expert tiles: where the backend asks for them (backend.expert_tiles)
     and the tiles, each costing TILE_COST one-pair GEMVs, cost less than the pairs' own GEMVs."""
-    return pairs > self.cfg.n_expert_used and backend.expert_tiles(device) and TILE_COST * expert_tiles(pairs, self.cfg.n_expert) < pairs
+    return backend.expert_tiles(device) and TILE_COST * expert_tiles(pairs, self.cfg.n_expert) < pairs  # never one token: k < experts
 
   def __call__(self, x: Tensor) -> Tensor:
     y = self.experts(x, *self.route(x))
