@@ -45,3 +45,12 @@ def test_files_written(prof, tmp_path):
   assert len(rows) == len(prof["decode"]["kernels"]) and {r["op"] for r in rows} <= set(CATEGORIES)
   assert json.loads((tmp_path / "decode.json").read_text())["decode"]["by_op"].keys() == prof["decode"]["by_op"].keys()
   assert (tmp_path / "decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+def test_batched_step_profiled():
+  """`profile --parallel 4`: the batched decode step of 4 sequences, kernel for kernel the step Runner.batch_step runs."""
+  r = Runner.load(DS3, max_ctx=48, parallel=4)
+  d = profile_model(r.model, pos=40, repeat=2, rows=4)["decode"]
+  for _ in range(3): r.batch_step([1, 2, 3, 4], [0, 1, 2, 3], [40] * 4)
+  GlobalCounters.reset(); r.batch_step([1, 2, 3, 4], [0, 1, 2, 3], [40] * 4)
+  assert d["tokens"] == 4 and len(d["kernels"]) == GlobalCounters.kernel_count
+  assert all(k["time_s"] > 0 for k in d["kernels"]) and {"absorb", "router", "experts", "shared expert", "head"} <= set(d["by_op"])

@@ -187,10 +187,14 @@ def cmd_profile(args) -> int:
   from tg_ds4.runner import Runner
   if (args.pos is not None and args.pos < 0) or args.repeat < 1: raise UsageError("--pos >= 0 and --repeat >= 1")
   path = resolve(args.model)
-  model = Runner.load(_open(args), max_ctx=(127 if args.pos is None else args.pos) + 1).model
+  from tg_ds4.runner import BATCHES
+  if args.parallel not in BATCHES: raise UsageError(f"--parallel: one of {', '.join(map(str, BATCHES))} (the batch sizes the engine captures)")
+  if args.parallel > 1 and args.prefill: raise UsageError("--prefill profiles one sequence's chunk: not with --parallel")
+  try: model = Runner.load(_open(args), max_ctx=(127 if args.pos is None else args.pos) + 1, parallel=args.parallel).model
+  except ValueError as e: raise UsageError(str(e)) from None
   pos = model.max_ctx - 1 if args.pos is None else args.pos
   if pos >= model.max_ctx: raise UsageError(f"--pos {pos} is past the model's context of {model.max_ctx}")
-  res = {"model": args.model, "file": str(path), **profile.profile_model(model, pos, args.repeat, args.prefill)}
+  res = {"model": args.model, "file": str(path), **profile.profile_model(model, pos, args.repeat, args.prefill, args.parallel)}
   # on the CPU kernels are timed one at a time on one core and the wall runs on the engine's threads: a roofline for
   # each. Another device's memory is not the host's: no roofline there
   if on_cpu(None): res["roofline"] = {"threads": engine_threads(), "read_gbps": read_bandwidth(), "read_gbps_one_core": read_bandwidth(1)}
@@ -330,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--pos", type=int, help="decode position: the step attends over pos+1 cache rows (default 127, or the context's end)")
   s.add_argument("--repeat", type=int, default=10, help="replays per kernel timing; the median is kept (default 10)")
   s.add_argument("--prefill", action="store_true", help="also profile one JIT prefill chunk")
+  s.add_argument("--parallel", type=int, default=1, help="profile the batched decode step of N sequences (each its own slot and token)")
   s.add_argument("--out", help="directory for decode.{csv,json,png} (and prefill.*)")
   s.add_argument("--json", action="store_true")
   s.set_defaults(fn=cmd_profile)

@@ -19,6 +19,7 @@ from tinygrad import Context, Device, Tensor, UOp, dtypes
 from tg_ds4.compat import Ops, realize, sym_infer
 from tg_ds4.jit import Jit
 from tg_ds4.layers import named_tensors
+from tg_ds4.rows import Rows
 from tg_ds4.sampling import greedy
 
 # (pattern on the tensor name, op); the first op in this list that any read buffer maps to wins, so a kernel that
@@ -108,15 +109,24 @@ def _timed_replays(step, args_fn, names: dict, repeat: int) -> tuple[list[dict],
   for i, k in enumerate(kernels): k["time_s"] = statistics.median(r[i]["time_s"] for r in runs)
   return kernels, walls
 
-def profile_model(model, pos: int = 127, repeat: int = 10, prefill: bool = False) -> dict:
+def profile_model(model, pos: int = 127, repeat: int = 10, prefill: bool = False, rows: int = 1) -> dict:
   """Per-kernel profile of one decode step at position `pos` (the attention reads pos+1 cache rows), and of one
-  JIT prefill chunk with `prefill`. The cache content is whatever is there: timing does not depend on it."""
+  JIT prefill chunk with `prefill`. The cache content is whatever is there: timing does not depend on it. `rows` > 1
+  (a model with that many slots, rows.py): the batched step of that many sequences, each in its own slot at `pos`,
+  each with its own token (so MoE rows choose different experts)."""
   names, res = named_buffers(model), {}
   with Context(JIT=2):  # no graph batching: every kernel stays a separate, timeable launch
-    step = Jit(lambda tok, sp: greedy(model.forward(tok, sp, last_only=True)[:, -1]).realize())
-    tok = lambda: (UOp.variable("token", 0, model.cfg.n_vocab - 1).bind(1), UOp.variable("start_pos", 0, model.max_ctx - 1).bind(pos))
+    var = lambda name, hi, v: UOp.variable(name, 0, hi).bind(v)
+    if rows == 1:
+      step = Jit(lambda tok, sp: greedy(model.forward(tok, sp, last_only=True)[:, -1]).realize())
+      tok = lambda: (var("token", model.cfg.n_vocab - 1, 1), var("start_pos", model.max_ctx - 1, pos))
+    else:
+      fwd = lambda *a: model.forward(list(a[:rows]), Rows(a[rows:2 * rows], a[2 * rows:]), last_only=True)
+      step = Jit(lambda *a: greedy(fwd(*a)[:, -1]).realize())
+      tok = lambda: tuple(var(f"token{i}", model.cfg.n_vocab - 1, 1 + 7919 * i % model.cfg.n_vocab) for i in range(rows)) + \
+        tuple(var(f"slot{i}", model.slots - 1, i) for i in range(rows)) + tuple(var(f"pos{i}", model.max_ctx - 1, pos) for i in range(rows))
     for _ in range(3): step(*tok())
-    res["decode"] = _summarize(*_timed_replays(step, tok, names, repeat), pos=pos)
+    res["decode"] = _summarize(*_timed_replays(step, tok, names, repeat), pos=pos, tokens=rows)
     if prefill:
       C = model.PREFILL_CHUNKS[0]
       pstep = Jit(lambda t, sp: model.forward(t, sp, last_only=True).realize())
