@@ -66,6 +66,9 @@ class MLA:
     q_pe = apply_rope(q[..., nope:], rope, start_pos, cfg.rope.type)
     # absorb k_b into the query: [B,H,T,nope] @ [H,nope,L] -> [B,H,T,L]
     q_lat = _absorb(q[..., :nope].transpose(1, 2), self.attn_k_b.weight)
+    # a batched step's rows: the absorb as its own kernel; fused into the concatenation with the rope part, its GEMV
+    # over several rows loads every packed byte under the concatenation's bounds check
+    if B > 1: q_lat = q_lat.contiguous()
     q = q_lat.cat(q_pe.transpose(1, 2), dim=-1)                                         # [B,H,T,L+R]
 
     kv = self.attn_kv_a_mqa(x)
