@@ -474,9 +474,9 @@ def linear(x: Tensor, w: Weight, bias: Weight | None = None, dtype: DType | None
   is not reassociated). Under `actquant.llama_cpp_activations()`, x is first rounded the way llama.cpp rounds the
   input of a matmul with this weight type. `dtype`: that of x and the dequantized weight (default precision.matmul_dtype(),
   float32 unless the model asks for half); accumulation and the result are float32 either way. The per-block form of
-  a format that has one (QuantType.affine) is for one row of x only: with several rows (a batched step, moe's expert
-  tiles) and with `affine=False` each value is unpacked whole, so each row costs one multiply-add per value, where the
-  affine sums cost a multiply and an add per row and value."""
+  a format that has one (QuantType.affine) is for one row of x only: with several rows (a batched step) and with
+  `affine=False` (moe's expert tiles, whose rows gather the same weight) each value is unpacked whole, so each row
+  costs one multiply-add per value, where the affine sums cost a multiply and an add per row and value."""
   dtype, f32 = dtype or matmul_dtype(), dtypes.float32
   if isinstance(w, QTensor): x = round_activations(x, w.qtype.name)
   if isinstance(w, QTensor) and w.qtype.quantized:
