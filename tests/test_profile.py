@@ -53,4 +53,7 @@ def test_batched_step_profiled():
   for _ in range(3): r.batch_step([1, 2, 3, 4], [0, 1, 2, 3], [40] * 4)
   GlobalCounters.reset(); r.batch_step([1, 2, 3, 4], [0, 1, 2, 3], [40] * 4)
   assert d["tokens"] == 4 and len(d["kernels"]) == GlobalCounters.kernel_count
-  assert all(k["time_s"] > 0 for k in d["kernels"]) and {"absorb", "router", "experts", "shared expert", "head"} <= set(d["by_op"])
+  assert all(k["time_s"] > 0 for k in d["kernels"])
+  assert {"absorb", "scores", "softmax", "attn·v", "router", "experts", "shared expert", "head"} <= set(d["by_op"])
+  ops = [k["op"] for k in d["kernels"] if k["block"] == "blk.1"]
+  assert ops.count("scores") == 4 and ops.index("scores") < ops.index("softmax") < ops.index("attn·v")  # each row's own

@@ -57,19 +57,24 @@ def attribute(kernels: list[dict]) -> None:
     k["block"] = next((_block_of(n) for n in k["reads"] if _op_of(n) == k["op"]), None) if ops else None
     if k["op"] == "embed" and any(_op_of(n) != "embed" for n in k["reads"]): k["op"] = None  # the residual read lazily from the embedding
     labelled.append(k["op"] is not None)
-  phase, block = "embed", "embed"
+  # the attention's kernels run over a symbolic count of cache rows, named by its variable: `start_pos`, or in a batched
+  # step each row's `pos0`, `pos1`, ... (whose kernels interleave), so its phase is followed per variable
+  phase, block, row_phase = "embed", "embed", {}
   for i, k in enumerate(kernels):
+    row = m.group(0) if (m := re.search(r"start_pos|pos\d+", k["name"])) else None
+    prev = row_phase.get(row, phase) if row else phase
     if k["op"] == "cache":  # the cache write, the scores against it, or the weighted sum of its rows
-      k["op"] = "attn·v" if phase in ("scores", "softmax") else "scores" if "start_pos" in k["name"] else "attn kv"
+      k["op"] = "attn·v" if prev in ("scores", "softmax") else "scores" if row else "attn kv"
     elif k["op"] is None:
       nxt = next((kernels[j] for j in range(i + 1, len(kernels)) if labelled[j]), None)
       if k["sqrt"] and not k["exp"]: k["op"], k["block"] = "norm", nxt["block"] if nxt else block  # statistics for the next norm
-      elif phase in ("scores", "softmax"): k["op"] = "softmax"
+      elif prev in ("scores", "softmax"): k["op"] = "softmax"
       elif phase in ("router", "top-k"): k["op"] = "top-k"
       elif phase in ("head", "sampling"): k["op"] = "sampling"
       else: k["op"] = phase
     if k["block"] is None: k["block"] = block
     if k["op"] == "embed": k["block"] = "embed"
+    if row: row_phase[row] = k["op"]
     phase, block = k["op"], k["block"]
 
 class _Recorder:
