@@ -184,12 +184,11 @@ def cmd_profile(args) -> int:
   from tg_ds4.registry import resolve
   from tg_ds4.backend import on_cpu
   from tg_ds4.backend.cpu.replay import engine_threads
-  from tg_ds4.runner import Runner
+  from tg_ds4.runner import BATCHES, Runner
   if (args.pos is not None and args.pos < 0) or args.repeat < 1: raise UsageError("--pos >= 0 and --repeat >= 1")
-  path = resolve(args.model)
-  from tg_ds4.runner import BATCHES
   if args.parallel not in BATCHES: raise UsageError(f"--parallel: one of {', '.join(map(str, BATCHES))} (the batch sizes the engine captures)")
   if args.parallel > 1 and args.prefill: raise UsageError("--prefill profiles one sequence's chunk: not with --parallel")
+  path = resolve(args.model)
   try: model = Runner.load(_open(args), max_ctx=(127 if args.pos is None else args.pos) + 1, parallel=args.parallel).model
   except ValueError as e: raise UsageError(str(e)) from None
   pos = model.max_ctx - 1 if args.pos is None else args.pos
