@@ -35,12 +35,17 @@ def _fp16_round(v: Tensor) -> Tensor:
   normal = ((u + 0xFFF + ((u >> 13) & 1)) & 0xFFFFE000).bitcast(dtypes.float32)  # keep 10 mantissa bits
   return (v < 2.0 ** -14).where((v * 2.0 ** 24).round() * 2.0 ** -24, normal)   # fp16 subnormals: multiples of 2^-24
 
-def _q8_0(x: Tensor) -> Tensor:
-  """quantize_row_q8_0 (x86 SIMD path): q = rint(x * 127/amax) (ties to even), scale stored as fp16(amax/127)."""
+def q8_0_parts(x: Tensor) -> tuple[Tensor, Tensor]:
+  """quantize_row_q8_0 (x86 SIMD path): q = rint(x * 127/amax) (ties to even), scale stored as fp16(amax/127).
+  x `[..., n]` -> (q `[..., n/32, 32]` int8, scale `[..., n/32]` float32, an fp16 value)."""
   b = _blocks(x.float(), 32)
   amax = b.abs().max(-1, keepdim=True)
   q = (b * (amax != 0).where(127.0 / amax, 0.0)).round()
-  return (q * _fp16_round(amax / 127.0)).reshape(x.shape)
+  return q.cast(dtypes.int8), _fp16_round(amax / 127.0).squeeze(-1)
+
+def _q8_0(x: Tensor) -> Tensor:
+  q, d = q8_0_parts(x)
+  return (q.float() * d.unsqueeze(-1)).reshape(x.shape)
 
 def _q8_k(x: Tensor) -> Tensor:
   """quantize_row_q8_K_ref: iscale = -127/max (max = the entry of largest magnitude, sign kept), q = min(127, rint)."""
@@ -55,5 +60,7 @@ def _q8_k(x: Tensor) -> Tensor:
 def round_activations(x: Tensor, weight_type: str) -> Tensor:
   """x rounded as llama.cpp rounds a matmul input for a `weight_type` weight (identity when disabled or F32)."""
   if not _ENABLED.get() or (vt := VEC_DOT_TYPE.get(weight_type)) is None: return x
-  if vt == "F16": return (x.sign() * _fp16_round(x.abs().float())).cast(x.dtype)
-  return _q8_k(x) if vt == "Q8_K" else _q8_0(x)
+  # materialised: left lazy, the rounding fuses into the matmul that reads it and is recomputed per output row (an MLA
+  # absorb GEMV under it ran 13x slower)
+  if vt == "F16": return (x.sign() * _fp16_round(x.abs().float())).cast(x.dtype).contiguous()
+  return (_q8_k(x) if vt == "Q8_K" else _q8_0(x)).contiguous()

@@ -17,8 +17,9 @@ from tinygrad.dtype import DType, _from_np_dtype, _to_np_dtype  # noqa: F401
 from tinygrad.engine import realize  # noqa: F401  (profile times kernels through realize.track_stats)
 from tinygrad.engine.jit import CapturedJit, JitError, _copy_input, _TinyJit  # noqa: F401
 from tinygrad.function import function  # noqa: F401
+from tinygrad.renderer import Estimates  # noqa: F401
 from tinygrad.helpers import DEBUG, NUM_CPU_THREADS, PARALLEL, PROFILE, ContextVar, GlobalCounters, perf_counter_us, prod, to_tuple  # noqa: F401
-from tinygrad.uop.ops import AxisType, Ops, PatternMatcher, UOp, UPat, buffers, graph_rewrite, remove_all_tags, sym_infer  # noqa: F401
+from tinygrad.uop.ops import AxisType, KernelInfo, Ops, PatternMatcher, UOp, UPat, buffers, graph_rewrite, remove_all_tags, sym_infer  # noqa: F401
 
 # the CPU machinery's (backend/cpu), used only when internals_match()
 try:

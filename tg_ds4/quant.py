@@ -478,6 +478,7 @@ def linear(x: Tensor, w: Weight, bias: Weight | None = None, dtype: DType | None
   `affine=False` (moe's expert tiles, whose rows gather the same weight) each value is unpacked whole, so each row
   costs one multiply-add per value, where the affine sums cost a multiply and an add per row and value."""
   dtype, f32 = dtype or matmul_dtype(), dtypes.float32
+  if isinstance(w, QTensor) and (y := backend.int_dot(x, w)) is not None: return y if bias is None else y + as_tensor(bias, f32)
   if isinstance(w, QTensor): x = round_activations(x, w.qtype.name)
   if isinstance(w, QTensor) and w.qtype.quantized:
     lay, qt = w.qtype.layout, w.qtype

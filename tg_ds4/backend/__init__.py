@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from tinygrad import Device
+from tinygrad import Device, Tensor
 
 from tg_ds4 import compat
 from tg_ds4.compat import CapturedJit
@@ -63,6 +63,13 @@ def absorb_gemm(device: str) -> bool:
   """Whether a chunk's attn_v_b product (mla._absorb) unpacks its weight as `[H, in, out]` for kernel_opts' GEMM. On
   the CPU and NULL's generic renderer; GPU renderers keep the `[H, out, in]` copy their kernels were counted with."""
   return not Device[device].renderer.has_local and compat.kernel_opts_on()
+
+def int_dot(x: Tensor, w) -> Tensor | None:
+  """`x @ w.T` with llama.cpp's integer block dot products (backend/cpu/intdot.py), or None where that path does not
+  apply: only under actquant.llama_cpp_activations(), for Q4_0/Q8_0 GEMVs on an AVX2 CPU (`TG_DS4_INT_DOT=0`: off)."""
+  if not on_cpu(str(w.device)): return None
+  from tg_ds4.backend.cpu import intdot
+  return intdot.linear(x, w) if intdot.available(str(w.device)) and intdot.applies(x, w) else None
 
 def prepare_device(device: str) -> None:
   """Before anything is lowered for `device`: our kernel heuristic (backend/cpu/kernel_opts.py on CPU renderers, the

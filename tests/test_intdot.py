@@ -1,0 +1,94 @@
+"""backend/cpu/intdot.py: Q4_0/Q8_0 GEMVs under llama.cpp's activation rounding as integer block dot products.
+
+The reference is numpy, independent of the kernel: x rounded to Q8_0 as ggml's quantize_row_q8_0 does (np.rint is
+ties-to-even, the scale an fp16), the weight's integers read from the block bytes, and llama.cpp's per-block sum
+`fp16(d_w) * fp16(d_x) * sum_i w_i x_i` with exact integer inner sums. Only the order of the float sums over blocks
+differs (8 lanes, then llama.cpp's horizontal sum, against numpy's), hence a relative tolerance of 1e-6 of the largest
+output: a wrong block, nibble half, scale or row offset moves outputs by whole percents."""
+import numpy as np
+import pytest
+from tinygrad import Tensor
+
+from tg_ds4 import actquant, backend
+from tg_ds4.backend.cpu import intdot
+from tg_ds4.compat import Ops
+from tg_ds4.quant import QTYPES, QTensor, linear
+
+pytestmark = pytest.mark.skipif(not intdot.available("CPU"), reason="needs an x86 CPU with AVX2/F16C/FMA and tinygrad 0.14's internals")
+QT = {q.name: q for q in QTYPES.values()}
+
+def _blocks(rng, fmt: str, *shape: int) -> np.ndarray:
+  *lead, out, k = shape
+  raw = rng.integers(0, 256, size=(*lead, out, k // 32, QT[fmt].nbytes), dtype=np.uint8)
+  d = (rng.random((*lead, out, k // 32)) * 0.02 - 0.01).astype(np.float16)
+  raw[..., :2] = d.view(np.uint8).reshape(*d.shape, 2)
+  return raw
+
+def _weight_ints(raw: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
+  """(integers `[..., nb, 32]`, fp16 scales `[..., nb]` as float) of Q4_0 (low nibbles first, minus 8) or Q8_0 blocks."""
+  d = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
+  if fmt == "Q8_0": return raw[..., 2:].view(np.int8).astype(np.int64), d
+  qs = raw[..., 2:18]
+  return np.concatenate([qs & 15, qs >> 4], -1).astype(np.int64) - 8, d
+
+def _x_ints(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  b = x.reshape(*x.shape[:-1], -1, 32).astype(np.float32)
+  amax = np.abs(b).max(-1, keepdims=True)
+  with np.errstate(divide="ignore"): q = np.rint(b * np.where(amax != 0, np.float32(127) / amax, 0).astype(np.float32))
+  return q.astype(np.int64), (amax[..., 0] / np.float32(127)).astype(np.float16).astype(np.float64)
+
+def _reference(x: np.ndarray, raw: np.ndarray, fmt: str) -> np.ndarray:
+  """x `[..., R, in]` (broadcasting over raw's leading axes), raw `[..., out, nb, bytes]` -> `[..., R, out]`."""
+  wq, wd = _weight_ints(raw, fmt)
+  xq, xd = _x_ints(x)
+  dots = np.einsum("...rbi,...obi->...rob", xq, wq)                  # exact integer block dots
+  return (dots * xd[..., :, None, :] * wd[..., None, :, :]).sum(-1)
+
+def _check(y: np.ndarray, ref: np.ndarray):
+  assert y.shape == ref.shape
+  assert np.abs(y - ref).max() <= 1e-6 * np.abs(ref).max()
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_dense(fmt, rows):
+  rng = np.random.default_rng(1)
+  raw, x = _blocks(rng, fmt, 96, 256), rng.standard_normal((rows, 1, 256)).astype(np.float32)
+  w = QTensor(Tensor(raw).realize(), QT[fmt], (96, 256))
+  with actquant.llama_cpp_activations(): y = linear(Tensor(x), w).numpy()
+  _check(y, _reference(x, raw, fmt))
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("x_lead", [(1, 3), (1, 1)])  # one x per selected matrix (down), or one x for all (gate, up)
+def test_gathered(fmt, x_lead):
+  rng = np.random.default_rng(2)
+  raw, ids = _blocks(rng, fmt, 8, 64, 256), np.array([[6, 1, 6]], np.int32)
+  x = rng.standard_normal((*x_lead, 2, 256)).astype(np.float32)
+  w = QTensor(Tensor(raw).realize(), QT[fmt], (8, 64, 256))
+  with actquant.llama_cpp_activations(): y = linear(Tensor(x), w[Tensor(ids)]).numpy()
+  _check(y, _reference(x, raw[ids], fmt))
+
+def test_rows_equal_alone():
+  """A batched step's rows against the one-row GEMV: each row keeps its own accumulators, so bitwise the same."""
+  rng = np.random.default_rng(3)
+  raw, x = _blocks(rng, "Q4_0", 64, 512), rng.standard_normal((4, 1, 512)).astype(np.float32)
+  w = QTensor(Tensor(raw).realize(), QT["Q4_0"], (64, 512))
+  with actquant.llama_cpp_activations():
+    together = linear(Tensor(x), w).numpy()
+    alone = [linear(Tensor(x[i]), w).numpy() for i in range(4)]
+  assert all(np.array_equal(together[i], alone[i]) for i in range(4))
+
+def test_only_under_llama_cpp_rounding(monkeypatch):
+  """The integer kernel runs under llama_cpp_activations only; exact float math stays the default, and
+  `TG_DS4_INT_DOT=0` turns the kernel off (the float form on rounded x then gives the same values)."""
+  rng = np.random.default_rng(4)
+  raw, x = _blocks(rng, "Q4_0", 32, 128), Tensor(rng.standard_normal((1, 128)).astype(np.float32))
+  w = QTensor(Tensor(raw).realize(), QT["Q4_0"], (32, 128))
+  names = lambda t: [u.arg.name for u in t.uop.toposort() if u.op is Ops.SINK and hasattr(u.arg, "name")]
+  assert backend.int_dot(x, w) is None
+  with actquant.llama_cpp_activations():
+    on = linear(x, w)
+    assert any("intdot" in n for n in names(on))
+    monkeypatch.setenv("TG_DS4_INT_DOT", "0")
+    off = linear(x, w)
+    assert not any("intdot" in n for n in names(off))
+    np.testing.assert_allclose(on.numpy(), off.numpy(), rtol=0, atol=1e-6 * np.abs(off.numpy()).max())

@@ -1,0 +1,127 @@
+"""Q4_0 and Q8_0 GEMVs as llama.cpp computes them on an AVX2 CPU: x rounded to Q8_0 (int8 per block of 32 with an fp16
+scale, actquant.q8_0_parts), each weight block's integer dot product with it taken by `vpmaddubsw`/`vpmaddwd`, scaled
+by the two block scales into eight float lanes, the lanes summed at the end.
+
+Only under actquant.llama_cpp_activations(): this is llama.cpp's arithmetic, not tg_ds4's exact float GEMV (quant.linear),
+which the float form computes on rounded x at ~0.7x the speed (its per-value int-to-float convert and multiply-add bound
+it; `profiles/q4_0_gemv_forms.c`). tinygrad's C renderer has no integer-dot instruction, so the block dot is C with
+clang's x86 builtins, one kernel made with `Tensor.custom_kernel`: each output row's loop over its blocks is one
+`Ops.CUSTOM` statement inside the kernel's (threaded) range over output rows. Several rows of x (a batched step) share
+each unpacked weight block and keep their own accumulators, so a row's result does not depend on how many rows run
+with it. A gathered weight (moe's experts: `QTensor[idx]`) reads each selected matrix through its index.
+
+Used where `available()` says: the CPU device, tinygrad's internals as compat.py expects, an x86 CPU with AVX2 and F16C,
+`TG_DS4_INT_DOT` not 0."""
+from __future__ import annotations
+
+import functools, os, platform
+
+from tinygrad import Device, Tensor, dtypes
+
+from tg_ds4 import actquant
+from tg_ds4.compat import Estimates, KernelInfo, Opt, OptOps, Ops, UOp, prod
+
+FORMATS = {"Q4_0": 18, "Q8_0": 34}  # block bytes: an fp16 scale, then 16 bytes of nibbles or 32 int8
+MAX_ROWS = 8                        # rows of x per weight matrix kept in registers (8 accumulators of 8 floats)
+
+@functools.cache
+def _cpu_ok() -> bool:
+  if platform.machine().lower() not in ("x86_64", "amd64"): return False
+  try: flags = set(open("/proc/cpuinfo").read().split())
+  except OSError: return False
+  return {"avx2", "f16c", "fma"} <= flags
+
+def available(device: str) -> bool:
+  from tg_ds4 import backend, compat
+  return (backend.on_cpu(device) and compat.internals_match() and os.environ.get("TG_DS4_INT_DOT", "1") != "0" and _cpu_ok()
+          and isinstance(Device[device].renderer, compat.ClangRenderer))
+
+def applies(x: Tensor, w) -> bool:
+  """Whether `linear(x, w)` takes this path: Q4_0/Q8_0, ungathered or gathered once on the leading axis, whole blocks,
+  at most MAX_ROWS rows of x per weight matrix, static shapes."""
+  if w.qtype.name not in FORMATS or len(w._src[1]) > 1 or not all(isinstance(s, int) for s in (*x.shape, *w.shape)): return False
+  if w._src[1] and not (isinstance(w._src[1][0], Tensor) and w._src[0].ndim == 4): return False
+  if x.shape[-1] != w.shape[-1] or not actquant.enabled(): return False
+  if not (lead := w.shape[:-2]): return prod(x.shape[:-1]) <= MAX_ROWS   # every leading axis of x is rows
+  return x.ndim >= 2 and x.shape[-2] <= MAX_ROWS and x.ndim - 2 <= len(lead)
+
+# one output row (`{1}`: the flat index over gathered matrix x output row) against R rows of x; the format's unpack
+# gives 32 int8 weights `wq_` per block; the lanes are summed as llama.cpp's hsum_float_8 sums them
+_UNPACK = {
+  "Q4_0": "v16u raw_; __builtin_memcpy(&raw_, blk_ + 2, 16); v16u lo_ = raw_ & (unsigned char)15, hi_ = raw_ >> 4;\n"
+          "      v32c wq_ = (v32c)__builtin_shufflevector(lo_, hi_, " + ",".join(map(str, range(32))) + ") - (signed char)8;",
+  "Q8_0": "v32c wq_; __builtin_memcpy(&wq_, blk_ + 2, 32);"}
+
+def _source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered: bool, x_per_matrix: bool) -> str:
+  bb = FORMATS[fmt]
+  mat = ("((const int *)@IDX@)[@R@ / %d]" if gathered else "@R@ / %d") % out
+  xrow = "(@R@ / %d) * %d" % (out, rows) if x_per_matrix else "0"
+  return f"""({{ typedef signed char v32c __attribute__((vector_size(32))); typedef unsigned char v16u __attribute__((vector_size(16)));
+  typedef short v16s __attribute__((vector_size(32))); typedef int v8i __attribute__((vector_size(32)));
+  typedef float v8f __attribute__((vector_size(32)));
+  const unsigned char *w_ = (const unsigned char *)@W@ + (long)({mat}) * {matrix_bytes}L + (long)(@R@ % {out}) * {nb * bb};
+  const int xr_ = {xrow};
+  const v16s one_ = {{1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1}};
+  v8f acc_[{rows}];
+  for (int r_ = 0; r_ < {rows}; r_++) acc_[r_] = (v8f){{0,0,0,0,0,0,0,0}};
+  for (int b_ = 0; b_ < {nb}; b_++) {{
+    const unsigned char *blk_ = w_ + b_ * {bb};
+    {_UNPACK[fmt]}
+    __fp16 h_; __builtin_memcpy(&h_, blk_, 2); const float dw_ = (float)h_;
+    const v32c aw_ = __builtin_ia32_psignb256(wq_, wq_);
+    for (int r_ = 0; r_ < {rows}; r_++) {{
+      v32c xv_; __builtin_memcpy(&xv_, (const signed char *)@XQ@ + ((long)(xr_ + r_) * {nb} + b_) * 32, 32);
+      const v8i s_ = __builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256(aw_, __builtin_ia32_psignb256(xv_, wq_)), one_);
+      acc_[r_] = acc_[r_] + __builtin_convertvector(s_, v8f) * (dw_ * ((const float *)@XD@)[(long)(xr_ + r_) * {nb} + b_]);
+    }}
+  }}
+  for (int r_ = 0; r_ < {rows}; r_++) {{
+    const v8f a_ = acc_[r_];
+    ((float *)@OUT@)[(long)(@R@ / {out}) * {out * rows} + (long)r_ * {out} + @R@ % {out}] =
+      ((a_[0] + a_[4]) + (a_[2] + a_[6])) + ((a_[1] + a_[5]) + (a_[3] + a_[7]));
+  }}
+}});"""
+
+def _format_string(src: str, names: list[str]) -> str:
+  """C source -> an Ops.CUSTOM format string: braces escaped, `@NAME@` -> `{i}` (the i-th source)."""
+  s = src.replace("{", "{{").replace("}", "}}").replace("@R@", "(@R@)")
+  for i, n in enumerate(names): s = s.replace(f"@{n}@", "{%d}" % i)
+  return s
+
+def _threads(device: str, n: int) -> int:
+  g = (Device[device].renderer.global_max or (1,))[0]
+  return max(t for t in range(1, g + 1) if n % t == 0)
+
+def linear(x: Tensor, w) -> Tensor:
+  """`x @ w.T` for `applies(x, w)`, float32: w `[out, in]` and x `[..., in]` (every leading axis rows) -> `[..., out]`;
+  w `[*lead, out, in]` and x `[*lead', R, in]` (lead' broadcasts to lead) -> `[*lead, R, out]`."""
+  fmt, (out, k), lead = w.qtype.name, w.shape[-2:], w.shape[:-2]
+  nb, L = k // 32, prod(lead)
+  shape = (*x.shape[:-1], out)
+  if not lead: x = x.reshape(-1, k)                                           # [R, in]
+  R = x.shape[-2]
+  xq, xd = actquant.q8_0_parts(x)                                            # [..., R, nb, 32] int8, [..., R, nb] float32
+  x_per_matrix = x.ndim > 2 and prod(x.shape[:-2]) > 1
+  if x_per_matrix:
+    pad = (1,) * (len(lead) + 2 - x.ndim)
+    xq, xd = xq.reshape(*pad, *xq.shape).expand(*lead, R, nb, 32), xd.reshape(*pad, *xd.shape).expand(*lead, R, nb)
+  xq_rows = (L if x_per_matrix else 1) * R
+  base, idx = w._src
+  gathered = bool(idx)
+  srcs = {"OUT": Tensor.empty(L * R * out, dtype=dtypes.float32, device=w.device), "W": base.flatten(),
+          "XQ": xq.contiguous().flatten(), "XD": xd.float().contiguous().flatten()}
+  if gathered: srcs["IDX"] = idx[0].cast(dtypes.int32).contiguous().flatten()
+  names = [*srcs, "R"]
+  matrix_bytes = out * nb * FORMATS[fmt]
+  body = _format_string(_source(fmt, nb, out, R, matrix_bytes, gathered, x_per_matrix), names)
+  threads = _threads(str(w.device), L * out)
+  def kernel(*params: UOp) -> UOp:
+    r = UOp.range(L * out, 0)
+    stmt = UOp(Ops.CUSTOM, dtypes.void, src=(*params, r), arg=body)
+    opts = (Opt(OptOps.THREAD, 0, threads),) if threads > 1 else ()
+    # what tinygrad cannot count in a C statement: the weight rows read once, x's int8 blocks and scales, the outputs
+    est = Estimates(ops=2 * L * R * out * k, lds=L * out * (nb * FORMATS[fmt] + R * nb * 36) + 4 * L * R * out,
+                    mem=L * out * nb * FORMATS[fmt] + xq_rows * nb * 36 + 4 * L * R * out)
+    return stmt.end(r).sink(arg=KernelInfo(name=f"{fmt.lower()}_intdot_{L}_{R}_{out}_{k}", opts_to_apply=opts, estimates=est))
+  y = Tensor.custom_kernel(*srcs.values(), fxn=kernel)[0]
+  return y.reshape(*lead, R, out) if lead else y.reshape(shape)
