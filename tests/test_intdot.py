@@ -92,3 +92,24 @@ def test_only_under_llama_cpp_rounding(monkeypatch):
     off = linear(x, w)
     assert not any("intdot" in n for n in names(off))
     np.testing.assert_allclose(on.numpy(), off.numpy(), rtol=0, atol=1e-6 * np.abs(off.numpy()).max())
+
+def test_expert_tiles_equal_per_pair():
+  """A prefill chunk's expert tiles (moe: each tile's rows against its one gathered weight, backend.int_dot_tiles) give
+  each token what its own per-pair GEMVs give: the same integer dots, each row with its own accumulators."""
+  import dataclasses
+  from tg_ds4.config import Gating, ModelConfig, RopeConfig, RopeType
+  from tg_ds4.moe import MoE
+  cfg = ModelConfig(arch="deepseek2", n_layer=1, dim=64, n_vocab=8, n_head=1, n_kv_head=1, head_dim=8, v_head_dim=8, norm_eps=1e-6,
+                    ctx_len=8, rope=RopeConfig(8, 1e4, RopeType.NORM), kq_scale=1.0, n_expert=16, n_expert_used=4, expert_ff_dim=32)
+  cfg = dataclasses.replace(cfg, gating=Gating.SOFTMAX)
+  rng = np.random.default_rng(5)
+  moe = MoE(cfg)
+  moe.ffn_gate_inp.weight = Tensor(rng.standard_normal((16, 64)).astype(np.float32))
+  for name, (o, i) in (("ffn_gate_exps", (32, 64)), ("ffn_up_exps", (32, 64)), ("ffn_down_exps", (64, 32))):
+    getattr(moe, name).weight = QTensor(Tensor(_blocks(rng, "Q4_0", 16, o, i)).realize(), QT["Q4_0"], (16, o, i))
+  x = rng.standard_normal((1, 24, 64)).astype(np.float32)
+  with actquant.llama_cpp_activations():
+    assert moe.tiled(24 * 4, "CPU") and backend.int_dot_tiles(*moe._exps_weights())
+    chunk = moe(Tensor(x)).numpy()
+    alone = np.concatenate([moe(Tensor(x[:, t:t + 1])).numpy() for t in range(24)], 1)
+  np.testing.assert_allclose(chunk, alone, rtol=0, atol=1e-6 * np.abs(alone).max())

@@ -129,6 +129,10 @@ class MoE:
 
   def _act(self, g: Tensor, u: Tensor) -> Tensor: return _swiglu(g, u)
 
+  def _exps_weights(self) -> list:
+    names = ("ffn_gate_up_exps", "ffn_down_exps") if hasattr(self, "ffn_gate_up_exps") else ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+    return [getattr(self, n).weight for n in names]
+
   def _ffn_exps(self, h: Tensor, idx: Tensor, affine: bool = True) -> Tensor:
     """The routed experts' SwiGLU on rows `h` `[*lead, rows, D]` with the experts `idx` (shape `lead`) -> `[*lead, rows, D]`."""
     if hasattr(self, "ffn_gate_up_exps"):
@@ -155,8 +159,11 @@ class MoE:
       # shaped chunk); gathered per row with one index, every row's loads are one load, which kernel_opts holds in
       # registers. Each value unpacked whole (not quant.linear's per-block affine sums, which cost a multiply and an
       # add per row and value): the tile's rows then cost one multiply-add each per value.
-      rows = self._ffn_exps(x.reshape(B * T, D)[pair // ids.shape[-1]].unsqueeze(-2), tile_expert.unsqueeze(-1).expand(pair.shape),
-                            affine=False)
+      h = x.reshape(B * T, D)[pair // ids.shape[-1]]                                                 # [tiles, TILE_ROWS, D]
+      # llama.cpp's integer dots (backend.int_dot_tiles) take a tile's rows as rows of x against its one gathered
+      # weight, each block unpacked once for all of them
+      if backend.int_dot_tiles(*self._exps_weights()): rows = self._ffn_exps(h, tile_expert)
+      else: rows = self._ffn_exps(h.unsqueeze(-2), tile_expert.unsqueeze(-1).expand(pair.shape), affine=False)
       y = rows.reshape(-1, D)[slot].reshape(*ids.shape, D)                                          # each pair's row
     y = (y * w.unsqueeze(-1)).sum(-2)                                                               # [B,T,D]
     return y.contiguous() if B * T > 1 else y

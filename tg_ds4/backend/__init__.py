@@ -71,6 +71,13 @@ def int_dot(x: Tensor, w) -> Tensor | None:
   from tg_ds4.backend.cpu import intdot
   return intdot.linear(x, w) if intdot.available(str(w.device)) and intdot.applies(x, w) else None
 
+def int_dot_tiles(*ws) -> bool:
+  """Whether a prefill chunk's expert tiles should gather each tile's weight once and pass its rows as x rows (moe):
+  where backend/cpu/intdot.py takes every one of `ws`, whose kernel unpacks each weight block once for all rows."""
+  if not all(on_cpu(str(w.device)) for w in ws): return False
+  from tg_ds4.backend.cpu import intdot
+  return all(intdot.takes(w) for w in ws)
+
 def prepare_device(device: str) -> None:
   """Before anything is lowered for `device`: our kernel heuristic (backend/cpu/kernel_opts.py on CPU renderers, the
   CPU device or NULL lowering for it; backend/gpu/kernel_opts.py's packed GEMVs on GPU renderers) and, where clang

@@ -19,7 +19,7 @@ import functools, os, platform
 from tinygrad import Device, Tensor, dtypes
 
 from tg_ds4 import actquant
-from tg_ds4.compat import Estimates, KernelInfo, Opt, OptOps, Ops, UOp, prod
+from tg_ds4.compat import AxisType, Estimates, KernelInfo, Ops, UOp, prod
 
 FORMATS = {"Q4_0": 18, "Q8_0": 34}  # block bytes: an fp16 scale, then 16 bytes of nibbles or 32 int8
 MAX_ROWS = 8                        # rows of x per weight matrix kept in registers (8 accumulators of 8 floats)
@@ -35,6 +35,10 @@ def available(device: str) -> bool:
   from tg_ds4 import backend, compat
   return (backend.on_cpu(device) and compat.internals_match() and os.environ.get("TG_DS4_INT_DOT", "1") != "0" and _cpu_ok()
           and isinstance(Device[device].renderer, compat.ClangRenderer))
+
+def takes(w) -> bool:
+  """Whether a GEMV over `w` (packed, on its device) takes this path at all, whatever x: the format and the rounding."""
+  return getattr(getattr(w, "qtype", None), "name", None) in FORMATS and actquant.enabled() and available(str(w.device))
 
 def applies(x: Tensor, w) -> bool:
   """Whether `linear(x, w)` takes this path: Q4_0/Q8_0, ungathered or gathered once on the leading axis, whole blocks,
@@ -116,12 +120,14 @@ def linear(x: Tensor, w) -> Tensor:
   body = _format_string(_source(fmt, nb, out, R, matrix_bytes, gathered, x_per_matrix), names)
   threads = _threads(str(w.device), L * out)
   def kernel(*params: UOp) -> UOp:
-    r = UOp.range(L * out, 0)
+    # the rows split over the threads by hand (a THREAD range outermost): tinygrad's opts pass would rebuild the
+    # kernel's info without the estimates below, and it has nothing else to do here
+    t, i = UOp.range(threads, 0, AxisType.THREAD), UOp.range(L * out // threads, 1)
+    r = t * (L * out // threads) + i
     stmt = UOp(Ops.CUSTOM, dtypes.void, src=(*params, r), arg=body)
-    opts = (Opt(OptOps.THREAD, 0, threads),) if threads > 1 else ()
     # what tinygrad cannot count in a C statement: the weight rows read once, x's int8 blocks and scales, the outputs
     est = Estimates(ops=2 * L * R * out * k, lds=L * out * (nb * FORMATS[fmt] + R * nb * 36) + 4 * L * R * out,
                     mem=L * out * nb * FORMATS[fmt] + xq_rows * nb * 36 + 4 * L * R * out)
-    return stmt.end(r).sink(arg=KernelInfo(name=f"{fmt.lower()}_intdot_{L}_{R}_{out}_{k}", opts_to_apply=opts, estimates=est))
+    return stmt.end(i, t).sink(arg=KernelInfo(name=f"{fmt.lower()}_intdot_{L}_{R}_{out}_{k}", estimates=est)).rtag(1)
   y = Tensor.custom_kernel(*srcs.values(), fxn=kernel)[0]
   return y.reshape(*lead, R, out) if lead else y.reshape(shape)
