@@ -113,3 +113,16 @@ def test_expert_tiles_equal_per_pair():
     chunk = moe(Tensor(x)).numpy()
     alone = np.concatenate([moe(Tensor(x[:, t:t + 1])).numpy() for t in range(24)], 1)
   np.testing.assert_allclose(chunk, alone, rtol=0, atol=1e-6 * np.abs(alone).max())
+
+def test_kernels_declare_their_buffers():
+  """tinygrad reads which buffers a kernel writes and reads from its STOREs and LOADs, and the native replay runs a
+  kernel beside any other that touches none of them: a C statement has neither, so without its declared buffers the
+  GEMV ran beside the rounding of its x (NaN logits in decode, test_reference's ds3k Q4_0)."""
+  from tinygrad.engine.realize import compile_linear, get_call_outs_ins
+  rng = np.random.default_rng(6)
+  w = QTensor(Tensor(_blocks(rng, "Q8_0", 32, 128)).realize(), QT["Q8_0"], (32, 128))
+  with actquant.llama_cpp_activations(): y = linear(Tensor(rng.standard_normal((1, 128)).astype(np.float32)) * 2, w)
+  lin, _ = y.linear_with_vars()
+  seen = {call.src[0].arg.name: get_call_outs_ins(call) for call in compile_linear(lin).src if call.src[0].op is Ops.PROGRAM}
+  assert seen["q8_0_quantize_4"] == ((0, 1), (2,))           # writes the int8 values and scales, reads x
+  assert seen["q8_0_intdot_1_1_32_128"] == ((0,), (1, 2, 3))  # writes y, reads the weight, the values and scales

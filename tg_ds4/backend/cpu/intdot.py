@@ -1,6 +1,7 @@
 """Q4_0 and Q8_0 GEMVs as llama.cpp computes them on an AVX2 CPU: x rounded to Q8_0 (int8 per block of 32 with an fp16
 scale, actquant.q8_0_parts), each weight block's integer dot product with it taken by `vpmaddubsw`/`vpmaddwd`, scaled
-by the two block scales into eight float lanes, the lanes summed at the end.
+by the two block scales into eight float lanes, the lanes summed at the end. x is rounded by a kernel of its own
+(`_quantize`), once for all GEMVs that read it.
 
 Only under actquant.llama_cpp_activations(): this is llama.cpp's arithmetic, not tg_ds4's exact float GEMV (quant.linear),
 which the float form computes on rounded x at ~0.7x the speed (its per-value int-to-float convert and multiply-add bound
@@ -92,6 +93,48 @@ def _format_string(src: str, names: list[str]) -> str:
   for i, n in enumerate(names): s = s.replace(f"@{n}@", "{%d}" % i)
   return s
 
+# one block of 32 floats (`@R@`: the block) -> its int8 values and its scale, as ggml's quantize_row_q8_0 (AVX2 path)
+# computes them and actquant.q8_0_parts states them: amax, the scale rounded to fp16 (F16C's round to nearest even),
+# rint(x * 127 / amax) in the default rounding mode (ties to even)
+_QUANTIZE = """({ const float *x_ = (const float *)@X@ + (long)@R@ * 32;
+  float amax_ = 0.0f;
+  for (int i_ = 0; i_ < 32; i_++) { const float a_ = __builtin_fabsf(x_[i_]); amax_ = a_ > amax_ ? a_ : amax_; }
+  const __fp16 h_ = (__fp16)(amax_ / 127.0f);
+  ((float *)@XD@)[@R@] = (float)h_;
+  const float id_ = amax_ != 0.0f ? 127.0f / amax_ : 0.0f;
+  for (int i_ = 0; i_ < 32; i_++) ((signed char *)@XQ@)[(long)@R@ * 32 + i_] = (signed char)__builtin_rintf(x_[i_] * id_);
+});"""
+
+def _kernel(body: str, params: tuple[UOp, ...], written: tuple[int, ...], r: UOp, ranges: tuple[UOp, ...], info) -> UOp:
+  """The kernel of the C statement `body` over `params` inside range `r` (in `ranges`), which tinygrad orders correctly. tinygrad knows which
+  buffers a kernel writes and reads from its STOREs and LOADs (ProgramInfo.outs and .ins, by which the native replay
+  orders kernels into waves), and a C statement has none: each buffer it reads gets a load of its first element among
+  the statement's sources (cast to void in it), and each buffer it writes (`written`, made one element longer by `_spare`) a
+  store of 0 into that spare last element, which nothing reads."""
+  reads = tuple(p[0].load(dtype=p.dtype) for i, p in enumerate(params) if i not in written)
+  body += "".join(" (void)({%d});" % (len(params) + 1 + j) for j in range(len(reads)))  # used, so rendered and counted
+  stmt = UOp(Ops.CUSTOM, dtypes.void, src=(*params, r, *reads), arg=body)
+  spares = [params[i][params[i].shape[0] - 1].store(UOp.const(0, params[i].dtype)) for i in written]
+  return UOp.sink(stmt.end(*ranges), *spares, arg=info).rtag(1)
+
+def _spare(n: int, dtype, device) -> Tensor:
+  """An output buffer of n elements and the spare one `_statement` stores to."""
+  return Tensor.empty(n + 1, dtype=dtype, device=device)
+
+def _quantize(x: Tensor) -> tuple[Tensor, Tensor]:
+  """x `[..., in]` -> (int8 `[..., in/32, 32]`, float32 scales `[..., in/32]`), one kernel (actquant.q8_0_parts as lazy
+  tensor ops is three: the block maxima, the values, the scales)."""
+  blocks = prod(x.shape) // 32
+  srcs = {"XQ": _spare(blocks * 32, dtypes.int8, x.device), "XD": _spare(blocks, dtypes.float32, x.device),
+          "X": x.float().contiguous().flatten()}
+  body = _format_string(_QUANTIZE, [*srcs, "R"])
+  def kernel(*params: UOp) -> UOp:
+    r = UOp.range(blocks, 0)
+    est = Estimates(ops=3 * blocks * 32, lds=blocks * 32 * 9 + 4 * blocks, mem=blocks * 32 * 5 + 4 * blocks)
+    return _kernel(body, params, (0, 1), r, (r,), KernelInfo(name=f"q8_0_quantize_{blocks}", estimates=est))
+  xq, xd, _ = Tensor.custom_kernel(*srcs.values(), fxn=kernel)
+  return xq[:-1].reshape(*x.shape[:-1], x.shape[-1] // 32, 32), xd[:-1].reshape(*x.shape[:-1], x.shape[-1] // 32)
+
 def _threads(device: str, n: int) -> int:
   g = (Device[device].renderer.global_max or (1,))[0]
   return max(t for t in range(1, g + 1) if n % t == 0)
@@ -104,7 +147,7 @@ def linear(x: Tensor, w) -> Tensor:
   shape = (*x.shape[:-1], out)
   if not lead: x = x.reshape(-1, k)                                           # [R, in]
   R = x.shape[-2]
-  xq, xd = actquant.q8_0_parts(x)                                            # [..., R, nb, 32] int8, [..., R, nb] float32
+  xq, xd = _quantize(x)                                                      # [..., R, nb, 32] int8, [..., R, nb] float32
   x_per_matrix = x.ndim > 2 and prod(x.shape[:-2]) > 1
   if x_per_matrix:
     pad = (1,) * (len(lead) + 2 - x.ndim)
@@ -112,8 +155,8 @@ def linear(x: Tensor, w) -> Tensor:
   xq_rows = (L if x_per_matrix else 1) * R
   base, idx = w._src
   gathered = bool(idx)
-  srcs = {"OUT": Tensor.empty(L * R * out, dtype=dtypes.float32, device=w.device), "W": base.flatten(),
-          "XQ": xq.contiguous().flatten(), "XD": xd.float().contiguous().flatten()}
+  srcs = {"OUT": _spare(L * R * out, dtypes.float32, w.device), "W": base.flatten(),
+          "XQ": (xq.contiguous() if x_per_matrix else xq).flatten(), "XD": (xd.contiguous() if x_per_matrix else xd).flatten()}
   if gathered: srcs["IDX"] = idx[0].cast(dtypes.int32).contiguous().flatten()
   names = [*srcs, "R"]
   matrix_bytes = out * nb * FORMATS[fmt]
@@ -124,10 +167,9 @@ def linear(x: Tensor, w) -> Tensor:
     # kernel's info without the estimates below, and it has nothing else to do here
     t, i = UOp.range(threads, 0, AxisType.THREAD), UOp.range(L * out // threads, 1)
     r = t * (L * out // threads) + i
-    stmt = UOp(Ops.CUSTOM, dtypes.void, src=(*params, r), arg=body)
     # what tinygrad cannot count in a C statement: the weight rows read once, x's int8 blocks and scales, the outputs
     est = Estimates(ops=2 * L * R * out * k, lds=L * out * (nb * FORMATS[fmt] + R * nb * 36) + 4 * L * R * out,
                     mem=L * out * nb * FORMATS[fmt] + xq_rows * nb * 36 + 4 * L * R * out)
-    return stmt.end(i, t).sink(arg=KernelInfo(name=f"{fmt.lower()}_intdot_{L}_{R}_{out}_{k}", estimates=est)).rtag(1)
-  y = Tensor.custom_kernel(*srcs.values(), fxn=kernel)[0]
+    return _kernel(body, params, (0,), r, (i, t), KernelInfo(name=f"{fmt.lower()}_intdot_{L}_{R}_{out}_{k}", estimates=est))
+  y = Tensor.custom_kernel(*srcs.values(), fxn=kernel)[0][:-1]
   return y.reshape(*lead, R, out) if lead else y.reshape(shape)
