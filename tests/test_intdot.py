@@ -20,35 +20,41 @@ QT = {q.name: q for q in QTYPES.values()}
 def _blocks(rng, fmt: str, *shape: int) -> np.ndarray:
   *lead, out, k = shape
   raw = rng.integers(0, 256, size=(*lead, out, k // 32, QT[fmt].nbytes), dtype=np.uint8)
-  d = (rng.random((*lead, out, k // 32)) * 0.02 - 0.01).astype(np.float16)
-  raw[..., :2] = d.view(np.uint8).reshape(*d.shape, 2)
+  d = (rng.random((*lead, out, k // 32, 2)) * 0.02 - 0.01).astype(np.float16)  # scales (and Q4_1's minima)
+  raw[..., :4 if fmt == "Q4_1" else 2] = d.view(np.uint8).reshape(*d.shape[:-1], 4)[..., :4 if fmt == "Q4_1" else 2]
   return raw
 
-def _weight_ints(raw: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray]:
-  """(integers `[..., nb, 32]`, fp16 scales `[..., nb]` as float) of Q4_0 (low nibbles first, minus 8) or Q8_0 blocks."""
-  d = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
-  if fmt == "Q8_0": return raw[..., 2:].view(np.int8).astype(np.int64), d
-  qs = raw[..., 2:18]
-  return np.concatenate([qs & 15, qs >> 4], -1).astype(np.int64) - 8, d
+def _f16(b: np.ndarray) -> np.ndarray: return b.copy().view(np.float16)[..., 0].astype(np.float64)
 
-def _x_ints(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _weight_ints(raw: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(integers `[..., nb, 32]`, fp16 scales and minima `[..., nb]` as float) of Q4_0 (low nibbles first, minus 8), Q4_1
+  (d, m, nibbles: value d * q + m) or Q8_0 blocks."""
+  d, m = _f16(raw[..., :2]), _f16(raw[..., 2:4]) if fmt == "Q4_1" else np.zeros(raw.shape[:-1])
+  if fmt == "Q8_0": return raw[..., 2:].view(np.int8).astype(np.int64), d, m
+  qs = raw[..., 2:18] if fmt == "Q4_0" else raw[..., 4:20]
+  return np.concatenate([qs & 15, qs >> 4], -1).astype(np.int64) - (8 if fmt == "Q4_0" else 0), d, m
+
+def _x_ints(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Q8_1 of x (ggml's quantize_row_q8_1, whose values and scale are Q8_0's): ints, fp16 scale, fp16(d * sum q)."""
   b = x.reshape(*x.shape[:-1], -1, 32).astype(np.float32)
   amax = np.abs(b).max(-1, keepdims=True)
   with np.errstate(divide="ignore"): q = np.rint(b * np.where(amax != 0, np.float32(127) / amax, 0).astype(np.float32))
-  return q.astype(np.int64), (amax[..., 0] / np.float32(127)).astype(np.float16).astype(np.float64)
+  d = amax[..., 0] / np.float32(127)
+  s = (d * q.sum(-1).astype(np.float32)).astype(np.float16).astype(np.float64)
+  return q.astype(np.int64), d.astype(np.float16).astype(np.float64), s
 
 def _reference(x: np.ndarray, raw: np.ndarray, fmt: str) -> np.ndarray:
   """x `[..., R, in]` (broadcasting over raw's leading axes), raw `[..., out, nb, bytes]` -> `[..., R, out]`."""
-  wq, wd = _weight_ints(raw, fmt)
-  xq, xd = _x_ints(x)
+  wq, wd, wm = _weight_ints(raw, fmt)
+  xq, xd, xs = _x_ints(x)
   dots = np.einsum("...rbi,...obi->...rob", xq, wq)                  # exact integer block dots
-  return (dots * xd[..., :, None, :] * wd[..., None, :, :]).sum(-1)
+  return (dots * xd[..., :, None, :] * wd[..., None, :, :] + wm[..., None, :, :] * xs[..., :, None, :]).sum(-1)
 
 def _check(y: np.ndarray, ref: np.ndarray):
   assert y.shape == ref.shape
   assert np.abs(y - ref).max() <= 1e-6 * np.abs(ref).max()
 
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_dense(fmt, rows):
   rng = np.random.default_rng(1)
@@ -57,7 +63,7 @@ def test_dense(fmt, rows):
   with actquant.llama_cpp_activations(): y = linear(Tensor(x), w).numpy()
   _check(y, _reference(x, raw, fmt))
 
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("x_lead", [(1, 3), (1, 1)])  # one x per selected matrix (down), or one x for all (gate, up)
 def test_gathered(fmt, x_lead):
   rng = np.random.default_rng(2)
@@ -95,7 +101,10 @@ def test_only_under_llama_cpp_rounding(monkeypatch):
 
 def test_expert_tiles_equal_per_pair():
   """A prefill chunk's expert tiles (moe: each tile's rows against its one gathered weight, backend.int_dot_tiles) give
-  each token what its own per-pair GEMVs give: the same integer dots, each row with its own accumulators."""
+  each token what its own per-pair GEMVs give: the same integer dots, each row with its own accumulators. The routing
+  weights and the weighted sum over experts are float kernels of other shapes in a chunk than for one token, so the
+  outputs agree to float rounding (measured: 3e-6 of the largest at worst), not bitwise; a row read against another
+  tile's expert moves them by whole units."""
   import dataclasses
   from tg_ds4.config import Gating, ModelConfig, RopeConfig, RopeType
   from tg_ds4.moe import MoE
@@ -112,7 +121,7 @@ def test_expert_tiles_equal_per_pair():
     assert moe.tiled(24 * 4, "CPU") and backend.int_dot_tiles(*moe._exps_weights())
     chunk = moe(Tensor(x)).numpy()
     alone = np.concatenate([moe(Tensor(x[:, t:t + 1])).numpy() for t in range(24)], 1)
-  np.testing.assert_allclose(chunk, alone, rtol=0, atol=1e-6 * np.abs(alone).max())
+  np.testing.assert_allclose(chunk, alone, rtol=0, atol=1e-5 * np.abs(alone).max())
 
 def test_kernels_declare_their_buffers():
   """tinygrad reads which buffers a kernel writes and reads from its STOREs and LOADs, and the native replay runs a

@@ -258,7 +258,7 @@ def add_quantize(s) -> None:
 def add_rounding(s) -> None:
   s.add_argument("--llama-cpp-rounding", action="store_true",
                  help="round each quantized matmul's input to 8 bits as llama.cpp does: its numerics instead of exact float "
-                      "math; on an AVX2 CPU, Q4_0/Q8_0 GEMVs then take integer dot products (faster decode)")
+                      "math; on an AVX2 CPU, Q4_0/Q4_1/Q8_0 GEMVs then take integer dot products (faster decode)")
 
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="tg_ds4", description="DeepSeek-family GGUF inference on tinygrad")

@@ -66,7 +66,7 @@ def absorb_gemm(device: str) -> bool:
 
 def int_dot(x: Tensor, w) -> Tensor | None:
   """`x @ w.T` with llama.cpp's integer block dot products (backend/cpu/intdot.py), or None where that path does not
-  apply: only under actquant.llama_cpp_activations(), for Q4_0/Q8_0 GEMVs on an AVX2 CPU (`TG_DS4_INT_DOT=0`: off)."""
+  apply: only under actquant.llama_cpp_activations(), for Q4_0/Q4_1/Q8_0 GEMVs on an AVX2 CPU (`TG_DS4_INT_DOT=0`: off)."""
   if not on_cpu(str(w.device)): return None
   from tg_ds4.backend.cpu import intdot
   return intdot.linear(x, w) if intdot.available(str(w.device)) and intdot.applies(x, w) else None

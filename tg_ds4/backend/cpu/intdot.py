@@ -1,7 +1,7 @@
-"""Q4_0 and Q8_0 GEMVs as llama.cpp computes them on an AVX2 CPU: x rounded to Q8_0 (int8 per block of 32 with an fp16
-scale, actquant.q8_0_parts), each weight block's integer dot product with it taken by `vpmaddubsw`/`vpmaddwd`, scaled
-by the two block scales into eight float lanes, the lanes summed at the end. x is rounded by a kernel of its own
-(`_quantize`), once for all GEMVs that read it.
+"""Q4_0, Q4_1 and Q8_0 GEMVs as llama.cpp computes them on an AVX2 CPU: x rounded to Q8_0 (int8 per block of 32 with an
+fp16 scale, actquant.q8_0_parts; Q8_1 for Q4_1, with each block's sum), each weight block's integer dot product with
+it taken by `vpmaddubsw`/`vpmaddwd`, scaled by the two block scales into eight float lanes, the lanes summed at the
+end. x is rounded by a kernel of its own (`_quantize`), once for all GEMVs that read it.
 
 Only under actquant.llama_cpp_activations(): this is llama.cpp's arithmetic, not tg_ds4's exact float GEMV (quant.linear),
 which the float form computes on rounded x at ~0.7x the speed (its per-value int-to-float convert and multiply-add bound
@@ -22,7 +22,7 @@ from tinygrad import Device, Tensor, dtypes
 from tg_ds4 import actquant
 from tg_ds4.compat import AxisType, Estimates, KernelInfo, Ops, UOp, prod
 
-FORMATS = {"Q4_0": 18, "Q8_0": 34}  # block bytes: an fp16 scale, then 16 bytes of nibbles or 32 int8
+FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # block bytes: an fp16 scale (Q4_1: and an fp16 minimum), then nibbles or int8
 MAX_ROWS = 8                        # rows of x per weight matrix kept in registers (8 accumulators of 8 floats)
 
 @functools.cache
@@ -42,7 +42,7 @@ def takes(w) -> bool:
   return getattr(getattr(w, "qtype", None), "name", None) in FORMATS and actquant.enabled() and available(str(w.device))
 
 def applies(x: Tensor, w) -> bool:
-  """Whether `linear(x, w)` takes this path: Q4_0/Q8_0, ungathered or gathered once on the leading axis, whole blocks,
+  """Whether `linear(x, w)` takes this path: Q4_0/Q4_1/Q8_0, ungathered or gathered once on the leading axis, whole blocks,
   at most MAX_ROWS rows of x per weight matrix, static shapes."""
   if w.qtype.name not in FORMATS or len(w._src[1]) > 1 or not all(isinstance(s, int) for s in (*x.shape, *w.shape)): return False
   if w._src[1] and not (isinstance(w._src[1][0], Tensor) and w._src[0].ndim == 4): return False
@@ -55,10 +55,12 @@ def applies(x: Tensor, w) -> bool:
 _UNPACK = {
   "Q4_0": "v16u raw_; __builtin_memcpy(&raw_, blk_ + 2, 16); v16u lo_ = raw_ & (unsigned char)15, hi_ = raw_ >> 4;\n"
           "      v32c wq_ = (v32c)__builtin_shufflevector(lo_, hi_, " + ",".join(map(str, range(32))) + ") - (signed char)8;",
+  "Q4_1": "v16u raw_; __builtin_memcpy(&raw_, blk_ + 4, 16); v16u lo_ = raw_ & (unsigned char)15, hi_ = raw_ >> 4;\n"
+          "      v32c wq_ = (v32c)__builtin_shufflevector(lo_, hi_, " + ",".join(map(str, range(32))) + ");",
   "Q8_0": "v32c wq_; __builtin_memcpy(&wq_, blk_ + 2, 32);"}
 
 def _source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered: bool, x_per_matrix: bool) -> str:
-  bb = FORMATS[fmt]
+  bb, m = FORMATS[fmt], fmt == "Q4_1"  # Q4_1: + its minimum times x's block sum, a float sum of its own (ggml's summs)
   mat = ("((const int *)@IDX@)[@R@ / %d]" if gathered else "@R@ / %d") % out
   xrow = "(@R@ / %d) * %d" % (out, rows) if x_per_matrix else "0"
   return f"""({{ typedef signed char v32c __attribute__((vector_size(32))); typedef unsigned char v16u __attribute__((vector_size(16)));
@@ -68,22 +70,25 @@ def _source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered:
   const int xr_ = {xrow};
   const v16s one_ = {{1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1}};
   v8f acc_[{rows}];
-  for (int r_ = 0; r_ < {rows}; r_++) acc_[r_] = (v8f){{0,0,0,0,0,0,0,0}};
+  float sm_[{rows}];
+  for (int r_ = 0; r_ < {rows}; r_++) {{ acc_[r_] = (v8f){{0,0,0,0,0,0,0,0}}; sm_[r_] = 0.0f; }}
   for (int b_ = 0; b_ < {nb}; b_++) {{
     const unsigned char *blk_ = w_ + b_ * {bb};
     {_UNPACK[fmt]}
     __fp16 h_; __builtin_memcpy(&h_, blk_, 2); const float dw_ = (float)h_;
+    {"__fp16 mh_; __builtin_memcpy(&mh_, blk_ + 2, 2); const float mw_ = (float)mh_;" if m else ""}
     const v32c aw_ = __builtin_ia32_psignb256(wq_, wq_);
     for (int r_ = 0; r_ < {rows}; r_++) {{
       v32c xv_; __builtin_memcpy(&xv_, (const signed char *)@XQ@ + ((long)(xr_ + r_) * {nb} + b_) * 32, 32);
       const v8i s_ = __builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256(aw_, __builtin_ia32_psignb256(xv_, wq_)), one_);
       acc_[r_] = acc_[r_] + __builtin_convertvector(s_, v8f) * (dw_ * ((const float *)@XD@)[(long)(xr_ + r_) * {nb} + b_]);
+      {"sm_[r_] += mw_ * ((const float *)@XS@)[(long)(xr_ + r_) * %d + b_];" % nb if m else ""}
     }}
   }}
   for (int r_ = 0; r_ < {rows}; r_++) {{
     const v8f a_ = acc_[r_];
     ((float *)@OUT@)[(long)(@R@ / {out}) * {out * rows} + (long)r_ * {out} + @R@ % {out}] =
-      ((a_[0] + a_[4]) + (a_[2] + a_[6])) + ((a_[1] + a_[5]) + (a_[3] + a_[7]));
+      ((a_[0] + a_[4]) + (a_[2] + a_[6])) + ((a_[1] + a_[5]) + (a_[3] + a_[7])){" + sm_[r_]" if m else ""};
   }}
 }});"""
 
@@ -95,14 +100,20 @@ def _format_string(src: str, names: list[str]) -> str:
 
 # one block of 32 floats (`@R@`: the block) -> its int8 values and its scale, as ggml's quantize_row_q8_0 (AVX2 path)
 # computes them and actquant.q8_0_parts states them: amax, the scale rounded to fp16 (F16C's round to nearest even),
-# rint(x * 127 / amax) in the default rounding mode (ties to even)
+# rint(x * 127 / amax) in the default rounding mode (ties to even); for Q8_1 (quantize_row_q8_1) also the block's
+# sum, fp16(amax / 127 * sum q)
 _QUANTIZE = """({ const float *x_ = (const float *)@X@ + (long)@R@ * 32;
   float amax_ = 0.0f;
   for (int i_ = 0; i_ < 32; i_++) { const float a_ = __builtin_fabsf(x_[i_]); amax_ = a_ > amax_ ? a_ : amax_; }
   const __fp16 h_ = (__fp16)(amax_ / 127.0f);
   ((float *)@XD@)[@R@] = (float)h_;
   const float id_ = amax_ != 0.0f ? 127.0f / amax_ : 0.0f;
-  for (int i_ = 0; i_ < 32; i_++) ((signed char *)@XQ@)[(long)@R@ * 32 + i_] = (signed char)__builtin_rintf(x_[i_] * id_);
+  int sum_ = 0;
+  for (int i_ = 0; i_ < 32; i_++) {
+    const int q_ = (int)__builtin_rintf(x_[i_] * id_);
+    ((signed char *)@XQ@)[(long)@R@ * 32 + i_] = (signed char)q_; sum_ += q_;
+  }
+  @SUM@
 });"""
 
 def _kernel(body: str, params: tuple[UOp, ...], written: tuple[int, ...], r: UOp, ranges: tuple[UOp, ...], info) -> UOp:
@@ -121,19 +132,21 @@ def _spare(n: int, dtype, device) -> Tensor:
   """An output buffer of n elements and the spare one `_statement` stores to."""
   return Tensor.empty(n + 1, dtype=dtype, device=device)
 
-def _quantize(x: Tensor) -> tuple[Tensor, Tensor]:
-  """x `[..., in]` -> (int8 `[..., in/32, 32]`, float32 scales `[..., in/32]`), one kernel (actquant.q8_0_parts as lazy
-  tensor ops is three: the block maxima, the values, the scales)."""
-  blocks = prod(x.shape) // 32
-  srcs = {"XQ": _spare(blocks * 32, dtypes.int8, x.device), "XD": _spare(blocks, dtypes.float32, x.device),
-          "X": x.float().contiguous().flatten()}
-  body = _format_string(_QUANTIZE, [*srcs, "R"])
+def _quantize(x: Tensor, sums: bool) -> tuple[Tensor, ...]:
+  """x `[..., in]` -> (int8 `[..., in/32, 32]`, float32 scales `[..., in/32]`, with `sums` Q8_1's block sums `[..., in/32]`),
+  one kernel (actquant.q8_0_parts as lazy tensor ops is three: the block maxima, the values, the scales)."""
+  blocks, nb = prod(x.shape) // 32, x.shape[-1] // 32
+  srcs = {"XQ": _spare(blocks * 32, dtypes.int8, x.device), "XD": _spare(blocks, dtypes.float32, x.device)}
+  if sums: srcs["XS"] = _spare(blocks, dtypes.float32, x.device)
+  srcs["X"] = x.float().contiguous().flatten()
+  src = _QUANTIZE.replace("@SUM@", "((float *)@XS@)[@R@] = (float)(__fp16)(amax_ / 127.0f * (float)sum_);" if sums else "")
+  body = _format_string(src, [*srcs, "R"])
   def kernel(*params: UOp) -> UOp:
     r = UOp.range(blocks, 0)
-    est = Estimates(ops=3 * blocks * 32, lds=blocks * 32 * 9 + 4 * blocks, mem=blocks * 32 * 5 + 4 * blocks)
-    return _kernel(body, params, (0, 1), r, (r,), KernelInfo(name=f"q8_0_quantize_{blocks}", estimates=est))
-  xq, xd, _ = Tensor.custom_kernel(*srcs.values(), fxn=kernel)
-  return xq[:-1].reshape(*x.shape[:-1], x.shape[-1] // 32, 32), xd[:-1].reshape(*x.shape[:-1], x.shape[-1] // 32)
+    est = Estimates(ops=3 * blocks * 32, lds=blocks * 32 * 9 + 8 * blocks, mem=blocks * 32 * 5 + 8 * blocks)
+    return _kernel(body, params, tuple(range(len(srcs) - 1)), r, (r,), KernelInfo(name=f"q8_{int(sums)}_quantize_{blocks}", estimates=est))
+  *outs, _ = Tensor.custom_kernel(*srcs.values(), fxn=kernel)
+  return (outs[0][:-1].reshape(*x.shape[:-1], nb, 32), *(o[:-1].reshape(*x.shape[:-1], nb) for o in outs[1:]))
 
 def _threads(device: str, n: int) -> int:
   g = (Device[device].renderer.global_max or (1,))[0]
@@ -147,16 +160,17 @@ def linear(x: Tensor, w) -> Tensor:
   shape = (*x.shape[:-1], out)
   if not lead: x = x.reshape(-1, k)                                           # [R, in]
   R = x.shape[-2]
-  xq, xd = _quantize(x)                                                      # [..., R, nb, 32] int8, [..., R, nb] float32
+  xq, *xs = _quantize(x, fmt == "Q4_1")                                      # [..., R, nb, 32] int8; [..., R, nb] float32 scales (, sums)
   x_per_matrix = x.ndim > 2 and prod(x.shape[:-2]) > 1
   if x_per_matrix:
     pad = (1,) * (len(lead) + 2 - x.ndim)
-    xq, xd = xq.reshape(*pad, *xq.shape).expand(*lead, R, nb, 32), xd.reshape(*pad, *xd.shape).expand(*lead, R, nb)
+    xq = xq.reshape(*pad, *xq.shape).expand(*lead, R, nb, 32).contiguous()
+    xs = [t.reshape(*pad, *t.shape).expand(*lead, R, nb).contiguous() for t in xs]
   xq_rows = (L if x_per_matrix else 1) * R
   base, idx = w._src
   gathered = bool(idx)
-  srcs = {"OUT": _spare(L * R * out, dtypes.float32, w.device), "W": base.flatten(),
-          "XQ": (xq.contiguous() if x_per_matrix else xq).flatten(), "XD": (xd.contiguous() if x_per_matrix else xd).flatten()}
+  srcs = {"OUT": _spare(L * R * out, dtypes.float32, w.device), "W": base.flatten(), "XQ": xq.flatten(), "XD": xs[0].flatten()}
+  if len(xs) > 1: srcs["XS"] = xs[1].flatten()
   if gathered: srcs["IDX"] = idx[0].cast(dtypes.int32).contiguous().flatten()
   names = [*srcs, "R"]
   matrix_bytes = out * nb * FORMATS[fmt]
