@@ -116,37 +116,35 @@ _QUANTIZE = """({ const float *x_ = (const float *)@X@ + (long)@R@ * 32;
   @SUM@
 });"""
 
-def _kernel(body: str, params: tuple[UOp, ...], written: tuple[int, ...], r: UOp, ranges: tuple[UOp, ...], info) -> UOp:
-  """The kernel of the C statement `body` over `params` inside range `r` (in `ranges`), which tinygrad orders correctly. tinygrad knows which
-  buffers a kernel writes and reads from its STOREs and LOADs (ProgramInfo.outs and .ins, by which the native replay
-  orders kernels into waves), and a C statement has none: each buffer it reads gets a load of its first element among
-  the statement's sources (cast to void in it), and each buffer it writes (`written`, made one element longer by `_spare`) a
-  store of 0 into that spare last element, which nothing reads."""
+def _kernel(body: str, params: tuple[UOp, ...], written: dict[int, UOp], r: UOp, ranges: tuple[UOp, ...], info) -> UOp:
+  """The kernel of the C statement `body` over `params` inside range `r` (one of `ranges`), which tinygrad orders
+  correctly. tinygrad knows which buffers a kernel writes and reads from its STOREs and LOADs (ProgramInfo.outs and
+  .ins, by which the native replay orders kernels into waves), and a C statement has neither: each buffer it reads gets
+  a load of its first element among the statement's sources (cast to void in it), and each buffer it writes (`written`:
+  param -> an element the statement writes in this iteration) a store of 0 to that element just before the statement,
+  which the statement then overwrites."""
   reads = tuple(p[0].load(dtype=p.dtype) for i, p in enumerate(params) if i not in written)
+  first = tuple(params[i][e].store(UOp.const(0, params[i].dtype)) for i, e in written.items())
   body += "".join(" (void)({%d});" % (len(params) + 1 + j) for j in range(len(reads)))  # used, so rendered and counted
-  stmt = UOp(Ops.CUSTOM, dtypes.void, src=(*params, r, *reads), arg=body)
-  spares = [params[i][params[i].shape[0] - 1].store(UOp.const(0, params[i].dtype)) for i in written]
-  return UOp.sink(stmt.end(*ranges), *spares, arg=info).rtag(1)
-
-def _spare(n: int, dtype, device) -> Tensor:
-  """An output buffer of n elements and the spare one `_statement` stores to."""
-  return Tensor.empty(n + 1, dtype=dtype, device=device)
+  stmt = UOp(Ops.CUSTOM, dtypes.void, src=(*params, r, *reads, *first), arg=body)
+  return stmt.end(*ranges).sink(arg=info).rtag(1)
 
 def _quantize(x: Tensor, sums: bool) -> tuple[Tensor, ...]:
   """x `[..., in]` -> (int8 `[..., in/32, 32]`, float32 scales `[..., in/32]`, with `sums` Q8_1's block sums `[..., in/32]`),
   one kernel (actquant.q8_0_parts as lazy tensor ops is three: the block maxima, the values, the scales)."""
   blocks, nb = prod(x.shape) // 32, x.shape[-1] // 32
-  srcs = {"XQ": _spare(blocks * 32, dtypes.int8, x.device), "XD": _spare(blocks, dtypes.float32, x.device)}
-  if sums: srcs["XS"] = _spare(blocks, dtypes.float32, x.device)
+  srcs = {"XQ": Tensor.empty(blocks * 32, dtype=dtypes.int8, device=x.device), "XD": Tensor.empty(blocks, dtype=dtypes.float32, device=x.device)}
+  if sums: srcs["XS"] = Tensor.empty(blocks, dtype=dtypes.float32, device=x.device)
   srcs["X"] = x.float().contiguous().flatten()
   src = _QUANTIZE.replace("@SUM@", "((float *)@XS@)[@R@] = (float)(__fp16)(amax_ / 127.0f * (float)sum_);" if sums else "")
   body = _format_string(src, [*srcs, "R"])
   def kernel(*params: UOp) -> UOp:
     r = UOp.range(blocks, 0)
     est = Estimates(ops=3 * blocks * 32, lds=blocks * 32 * 9 + 8 * blocks, mem=blocks * 32 * 5 + 8 * blocks)
-    return _kernel(body, params, tuple(range(len(srcs) - 1)), r, (r,), KernelInfo(name=f"q8_{int(sums)}_quantize_{blocks}", estimates=est))
+    info = KernelInfo(name=f"q8_{int(sums)}_quantize_{blocks}", estimates=est)
+    return _kernel(body, params, {0: r * 32, **{i: r for i in range(1, len(srcs) - 1)}}, r, (r,), info)
   *outs, _ = Tensor.custom_kernel(*srcs.values(), fxn=kernel)
-  return (outs[0][:-1].reshape(*x.shape[:-1], nb, 32), *(o[:-1].reshape(*x.shape[:-1], nb) for o in outs[1:]))
+  return (outs[0].reshape(*x.shape[:-1], nb, 32), *(o.reshape(*x.shape[:-1], nb) for o in outs[1:]))
 
 def _threads(device: str, n: int) -> int:
   g = (Device[device].renderer.global_max or (1,))[0]
@@ -169,7 +167,7 @@ def linear(x: Tensor, w) -> Tensor:
   xq_rows = (L if x_per_matrix else 1) * R
   base, idx = w._src
   gathered = bool(idx)
-  srcs = {"OUT": _spare(L * R * out, dtypes.float32, w.device), "W": base.flatten(), "XQ": xq.flatten(), "XD": xs[0].flatten()}
+  srcs = {"OUT": Tensor.empty(L * R * out, dtype=dtypes.float32, device=w.device), "W": base.flatten(), "XQ": xq.flatten(), "XD": xs[0].flatten()}
   if len(xs) > 1: srcs["XS"] = xs[1].flatten()
   if gathered: srcs["IDX"] = idx[0].cast(dtypes.int32).contiguous().flatten()
   names = [*srcs, "R"]
@@ -184,6 +182,7 @@ def linear(x: Tensor, w) -> Tensor:
     # what tinygrad cannot count in a C statement: the weight rows read once, x's int8 blocks and scales, the outputs
     est = Estimates(ops=2 * L * R * out * k, lds=L * out * (nb * FORMATS[fmt] + R * nb * 36) + 4 * L * R * out,
                     mem=L * out * nb * FORMATS[fmt] + xq_rows * nb * 36 + 4 * L * R * out)
-    return _kernel(body, params, (0,), r, (i, t), KernelInfo(name=f"{fmt.lower()}_intdot_{L}_{R}_{out}_{k}", estimates=est))
-  y = Tensor.custom_kernel(*srcs.values(), fxn=kernel)[0][:-1]
+    info = KernelInfo(name=f"{fmt.lower()}_intdot_{L}_{R}_{out}_{k}", estimates=est)
+    return _kernel(body, params, {0: r // out * (out * R) + r % out}, r, (i, t), info)
+  y = Tensor.custom_kernel(*srcs.values(), fxn=kernel)[0]
   return y.reshape(*lead, R, out) if lead else y.reshape(shape)
