@@ -35,17 +35,12 @@ def _fp16_round(v: Tensor) -> Tensor:
   normal = ((u + 0xFFF + ((u >> 13) & 1)) & 0xFFFFE000).bitcast(dtypes.float32)  # keep 10 mantissa bits
   return (v < 2.0 ** -14).where((v * 2.0 ** 24).round() * 2.0 ** -24, normal)   # fp16 subnormals: multiples of 2^-24
 
-def q8_0_parts(x: Tensor) -> tuple[Tensor, Tensor]:
-  """quantize_row_q8_0 (x86 SIMD path): q = rint(x * 127/amax) (ties to even), scale stored as fp16(amax/127).
-  x `[..., n]` -> (q `[..., n/32, 32]` int8, scale `[..., n/32]` float32, an fp16 value)."""
+def _q8_0(x: Tensor) -> Tensor:
+  """quantize_row_q8_0 (x86 SIMD path): q = rint(x * 127/amax) (ties to even), scale stored as fp16(amax/127)."""
   b = _blocks(x.float(), 32)
   amax = b.abs().max(-1, keepdim=True)
   q = (b * (amax != 0).where(127.0 / amax, 0.0)).round()
-  return q.cast(dtypes.int8), _fp16_round(amax / 127.0).squeeze(-1)
-
-def _q8_0(x: Tensor) -> Tensor:
-  q, d = q8_0_parts(x)
-  return (q.float() * d.unsqueeze(-1)).reshape(x.shape)
+  return (q * _fp16_round(amax / 127.0)).reshape(x.shape)
 
 def _q8_k(x: Tensor) -> Tensor:
   """quantize_row_q8_K_ref: iscale = -127/max (max = the entry of largest magnitude, sign kept), q = min(127, rint)."""

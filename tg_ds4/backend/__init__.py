@@ -69,7 +69,7 @@ def int_dot(x: Tensor, w) -> Tensor | None:
   apply: only under actquant.llama_cpp_activations(), for Q4_0/Q4_1/Q8_0 GEMVs on an AVX2 CPU (`TG_DS4_INT_DOT=0`: off)."""
   if not on_cpu(str(w.device)): return None
   from tg_ds4.backend.cpu import intdot
-  return intdot.linear(x, w) if intdot.available(str(w.device)) and intdot.applies(x, w) else None
+  return intdot.linear(x, w) if intdot.takes(w) and intdot.applies(x, w) else None
 
 def int_dot_tiles(*ws) -> bool:
   """Whether a prefill chunk's expert tiles should gather each tile's weight once and pass its rows as x rows (moe):

@@ -1,5 +1,5 @@
 """Q4_0, Q4_1 and Q8_0 GEMVs as llama.cpp computes them on an AVX2 CPU: x rounded to Q8_0 (int8 per block of 32 with an
-fp16 scale, actquant.q8_0_parts; Q8_1 for Q4_1, with each block's sum), each weight block's integer dot product with
+fp16 scale, actquant._q8_0; Q8_1 for Q4_1, with each block's sum), each weight block's integer dot product with
 it taken by `vpmaddubsw`/`vpmaddwd`, scaled by the two block scales into eight float lanes, the lanes summed at the
 end. x is rounded by a kernel of its own (`_quantize`), once for all GEMVs that read it.
 
@@ -27,10 +27,8 @@ MAX_ROWS = 8                        # rows of x per weight matrix kept in regist
 
 @functools.cache
 def _cpu_ok() -> bool:
-  if platform.machine().lower() not in ("x86_64", "amd64"): return False
-  try: flags = set(open("/proc/cpuinfo").read().split())
-  except OSError: return False
-  return {"avx2", "f16c", "fma"} <= flags
+  from tg_ds4.backend.cpu.kernel_opts import _cpu_flags  # the one reading of /proc/cpuinfo
+  return platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "f16c", "fma"} <= set(_cpu_flags().split())
 
 def available(device: str) -> bool:
   from tg_ds4 import backend, compat
@@ -42,15 +40,14 @@ def takes(w) -> bool:
   return getattr(getattr(w, "qtype", None), "name", None) in FORMATS and actquant.enabled() and available(str(w.device))
 
 def applies(x: Tensor, w) -> bool:
-  """Whether `linear(x, w)` takes this path: Q4_0/Q4_1/Q8_0, ungathered or gathered once on the leading axis, whole blocks,
-  at most MAX_ROWS rows of x per weight matrix, static shapes."""
-  if w.qtype.name not in FORMATS or len(w._src[1]) > 1 or not all(isinstance(s, int) for s in (*x.shape, *w.shape)): return False
+  """For a `w` this path `takes`: whether `linear(x, w)` fits it: ungathered or gathered once on the leading axis, at
+  most MAX_ROWS rows of x per weight matrix, static shapes."""
+  if len(w._src[1]) > 1 or not all(isinstance(s, int) for s in (*x.shape, *w.shape)) or x.shape[-1] != w.shape[-1]: return False
   if w._src[1] and not (isinstance(w._src[1][0], Tensor) and w._src[0].ndim == 4): return False
-  if x.shape[-1] != w.shape[-1] or not actquant.enabled(): return False
   if not (lead := w.shape[:-2]): return prod(x.shape[:-1]) <= MAX_ROWS   # every leading axis of x is rows
   return x.ndim >= 2 and x.shape[-2] <= MAX_ROWS and x.ndim - 2 <= len(lead)
 
-# one output row (`{1}`: the flat index over gathered matrix x output row) against R rows of x; the format's unpack
+# one output row (`@R@`: the flat index over matrix x output row) against R rows of x; the format's unpack
 # gives 32 int8 weights `wq_` per block; the lanes are summed as llama.cpp's hsum_float_8 sums them
 _UNPACK = {
   "Q4_0": "v16u raw_; __builtin_memcpy(&raw_, blk_ + 2, 16); v16u lo_ = raw_ & (unsigned char)15, hi_ = raw_ >> 4;\n"
@@ -99,7 +96,7 @@ def _format_string(src: str, names: list[str]) -> str:
   return s
 
 # one block of 32 floats (`@R@`: the block) -> its int8 values and its scale, as ggml's quantize_row_q8_0 (AVX2 path)
-# computes them and actquant.q8_0_parts states them: amax, the scale rounded to fp16 (F16C's round to nearest even),
+# computes them and actquant._q8_0 states them: amax, the scale rounded to fp16 (F16C's round to nearest even),
 # rint(x * 127 / amax) in the default rounding mode (ties to even); for Q8_1 (quantize_row_q8_1) also the block's
 # sum, fp16(amax / 127 * sum q)
 _QUANTIZE = """({ const float *x_ = (const float *)@X@ + (long)@R@ * 32;
@@ -131,7 +128,7 @@ def _kernel(body: str, params: tuple[UOp, ...], written: dict[int, UOp], r: UOp,
 
 def _quantize(x: Tensor, sums: bool) -> tuple[Tensor, ...]:
   """x `[..., in]` -> (int8 `[..., in/32, 32]`, float32 scales `[..., in/32]`, with `sums` Q8_1's block sums `[..., in/32]`),
-  one kernel (actquant.q8_0_parts as lazy tensor ops is three: the block maxima, the values, the scales)."""
+  one kernel (actquant's rounding as lazy tensor ops is three: the block maxima, the values, the scales)."""
   blocks, nb = prod(x.shape) // 32, x.shape[-1] // 32
   srcs = {"XQ": Tensor.empty(blocks * 32, dtype=dtypes.int8, device=x.device), "XD": Tensor.empty(blocks, dtype=dtypes.float32, device=x.device)}
   if sums: srcs["XS"] = Tensor.empty(blocks, dtype=dtypes.float32, device=x.device)
