@@ -67,8 +67,10 @@ def bench_tg(path, prompt: list[int], gen: int, repeat: int, llama_cpp_rounding:
 def bench_parallel(path, prompt: list[int], gen: int, repeat: int, n: int, llama_cpp_rounding: bool = False) -> dict:
   """n requests at once through batch.Batcher (each its own rotation of the prompt, so no slot reuses another's
   prefix): the median wall of a step in which all n rows produced a token gives the aggregate and per-stream decode
-  tok/s; then the time to first token of a short request, idle and while n - 1 long generations run."""
+  tok/s; then the time to first token of a short request (8 tokens, none of them in a cache), idle and while n - 1
+  long generations run."""
   from tg_ds4.batch import Batcher, Request
+  from tg_ds4.runner import reusable_prefix
   try: runner = Runner.load(path, max_ctx=len(prompt) + gen + 8, parallel=n, llama_cpp_activations=llama_cpp_rounding)
   except ValueError as e: raise BenchError(str(e)) from None
   b = Batcher(runner)
@@ -84,11 +86,15 @@ def bench_parallel(path, prompt: list[int], gen: int, repeat: int, n: int, llama
   GlobalCounters.reset()
   runner.batch_step(prompt[:n], list(range(n)), [len(prompt)] * n)
   kernels, nbytes = GlobalCounters.kernel_count, GlobalCounters.global_mem
-  short = Request(tuple(prompt[:8]), 2)
+  def short() -> Request:
+    # 8 prompt tokens no slot's cache starts with: reused, all but its last token would be skipped (a one-token request)
+    for o in range(len(prompt) - 7):
+      if all(reusable_prefix(q := tuple(prompt[o:o + 8][::-1]), t) == 0 for t in b.slot_tokens): return Request(q, 2)
+    raise BenchError("no 8-token request that shares no prefix with a slot's cache")
   def ttft(load: int) -> float:
     rids = [b.submit(q) for q in reqs(9, gen)[:load]]
     while any(b.timings.get(i) is None or b.timings[i].first is None for i in rids): b.step()
-    rid = b.submit(short)
+    rid = b.submit(short())
     while b.timings.get(rid) is None or b.timings[rid].first is None: b.step()
     for i in rids: b.cancel(i)
     while b.busy: b.step()

@@ -70,6 +70,9 @@ class MLA:
     # over several rows loads every packed byte under the concatenation's bounds check
     if B > 1: q_lat = q_lat.contiguous()
     q = q_lat.cat(q_pe.transpose(1, 2), dim=-1)                                         # [B,H,T,L+R]
+    # several rows: the query materialized once; read through the concatenation, each row's scores kernel lost its
+    # 8 lanes (V2-Lite, 4 rows: 1.15 -> 0.28 ms a row and layer)
+    if len(rows) > 1: q = q.contiguous()
 
     kv = self.attn_kv_a_mqa(x)
     k_new = self.attn_kv_a_norm(kv[..., :L], per_element=True).cat(apply_rope(kv[..., L:], rope, start_pos, cfg.rope.type), dim=-1)
@@ -86,6 +89,7 @@ class MLA:
       # a chunk's heads and tokens as one axis of rows: through the 4-D matmul, the latent rows' (symbolic) count split
       # the probabilities' address into a division and a modulo per multiply-add
       o.append(p @ k[..., :L] if T == 1 else (p.reshape(H * T, p.shape[-1]) @ k[0, 0, :, :L]).reshape(1, H, T, L))   # V = latent part of K
+      if len(rows) > 1: o[-1] = o[-1].contiguous()  # see attention.Attention._attend_rows (V2-Lite, 4 rows: 7.3 -> 4 x 0.33 ms a layer)
     o = o[0] if len(o) == 1 else Tensor.cat(*o)
     o = _absorb(o, self.attn_v_b.weight, gemm=True).transpose(1, 2).reshape(B, T, H * cfg.v_head_dim)              # [B,T,H*v_head]
     # a chunk's heads laid out token-major first: read through the transpose, the attn_output GEMM's reduction splits
