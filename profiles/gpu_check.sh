@@ -7,7 +7,8 @@
 #   3. profile of the V2-Lite-shaped benchmark file (made here by profiles/make_bench_model.py) with tinygrad's own kernel
 #      heuristic (TG_DS4_KERNEL_OPTS=0) and with ours (backend/gpu/kernel_opts.py), then bench with ours;
 #   4. (STEPS=...v4...) the same profile and bench for the V4-Flash-shaped file (9.5 GB, its quant mix).
-# STEPS picks among jobs, v2lite, stock, f32 and v4 (default: all but v4).
+#   5. (STEPS=...parallel...) bench --parallel 4 of the V2-Lite-shaped file: 4 sequences a step where decode reads memory.
+# STEPS picks among jobs, v2lite, stock, f32, parallel and v4 (default: all but parallel and v4).
 # Each step has its own time limit and log under $OUT. Wheels for what the machine lacks (tinygrad, gguf, the server's
 # libraries) travel in .whl/ (see the device tool's README); everything else comes from the machine's python3.
 set -u
@@ -50,6 +51,7 @@ if on v2lite; then
   on stock && step profile_stock ${PROFILE_S:-90} env TG_DS4_KERNEL_OPTS=0 python3 -m tg_ds4 profile -m "$BENCH" --out /tmp/profile_stock
   step profile ${PROFILE_S:-90} python3 -m tg_ds4 profile -m "$BENCH" --out /tmp/profile_ours
   step bench ${BENCH_S:-120} python3 -m tg_ds4 bench -m "$BENCH" --prompt-tokens 128 --gen 64 --repeat 2
+  on parallel && step bench_parallel ${PARALLEL_S:-180} python3 -m tg_ds4 bench -m "$BENCH" --prompt-tokens 32 --gen 32 --repeat 2 --parallel 4
 fi
 if on v4; then
   step make_bench_v4 ${MAKE_V4_S:-150} python3 profiles/make_bench_model.py v4flash

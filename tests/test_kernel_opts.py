@@ -347,11 +347,28 @@ def test_gpu_gemv_groups_each_row_over_threads_and_stays_exact(name):
   for got, want in ((got_one, want_one), (got_experts, want_experts)):
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), np.abs(got - want).max()
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0"])
+def test_gpu_batched_gemv_upcasts_its_rows_and_stays_exact(name):
+  """A batched step's GEMV (4 rows of x, as runner.batch_step runs them) on a GPU renderer: the rows upcast, so each
+  thread unpacks a weight byte once for all of them, then the one-row GEMV's GROUP and LOCAL (left to tinygrad, an H200
+  ran the 4-row dense GEMVs at 19-190 GB/s); each row equals gguf-py's dequantization times that row."""
+  from tg_ds4.backend.gpu import kernel_opts as gpu
+  rng, dev = np.random.default_rng(1), "PYTHON"
+  w, x = rng.standard_normal((64, 256)).astype(np.float32), rng.standard_normal((4, 1, 256)).astype(np.float32)
+  q, deq = _quantized(name, w, dev)
+  t = linear(Tensor(x, device=dev).realize(), q)
+  (k,) = [c for c in (gpu.packed_gemv(k) for k in schedulers(t.contiguous(), Device[dev].renderer)) if c is not None]
+  ops = [o.op for o in k.applied_opts]
+  assert ops[0] is OptOps.UPCAST and OptOps.GROUP in ops and OptOps.LOCAL in ops, ops
+  want = x[:, 0] @ deq.T
+  assert np.abs(t.numpy().reshape(4, 64) - want).max() <= 1e-5 * np.abs(want).max()
+
 def test_gpu_rule_leaves_chunks_and_cpu_kernels_alone():
-  """A prefill chunk (tokens along an output axis) and any kernel on a CPU renderer keep the other heuristics' choices."""
+  """A prefill chunk (tokens along an output axis, more than a batched step's 8 rows: 32, the smallest chunk) and any
+  kernel on a CPU renderer keep the other heuristics' choices."""
   from tg_ds4.backend.gpu import kernel_opts as gpu
   q, _ = _quantized("Q8_0", np.ones((64, 256), np.float32), "PYTHON")
-  (chunk,) = schedulers(linear(Tensor.ones(1, 8, 256, device="PYTHON").contiguous().realize(), q).contiguous(), Device["PYTHON"].renderer)
+  (chunk,) = schedulers(linear(Tensor.ones(1, 32, 256, device="PYTHON").contiguous().realize(), q).contiguous(), Device["PYTHON"].renderer)
   assert gpu.packed_gemv(chunk) is None
   (cpu,) = schedulers(linear(Tensor.ones(1, 1, 1024).contiguous().realize(), packed("Q8_0", 64, 1024)))
   assert gpu.packed_gemv(cpu) is None

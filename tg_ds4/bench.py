@@ -87,10 +87,13 @@ def bench_parallel(path, prompt: list[int], gen: int, repeat: int, n: int, llama
   runner.batch_step(prompt[:n], list(range(n)), [len(prompt)] * n)
   kernels, nbytes = GlobalCounters.kernel_count, GlobalCounters.global_mem
   def short() -> Request:
-    # 8 prompt tokens no slot's cache starts with: reused, all but its last token would be skipped (a one-token request)
-    for o in range(len(prompt) - 7):
-      if all(reusable_prefix(q := tuple(prompt[o:o + 8][::-1]), t) == 0 for t in b.slot_tokens): return Request(q, 2)
-    raise BenchError("no 8-token request that shares no prefix with a slot's cache")
+    # 8 tokens whose first no slot's cache starts with: a shared prefix would be reused, leaving a one-token request
+    firsts = {t[0] for t in b.slot_tokens if t}
+    first = next((t for t in prompt if t not in firsts), None)
+    if first is None: raise BenchError(f"the {len(prompt)}-token prompt has too few distinct tokens for an uncached request")
+    q = (first, *prompt[-7:])
+    assert all(reusable_prefix(q, t) == 0 for t in b.slot_tokens)
+    return Request(q, 2)
   def ttft(load: int) -> float:
     rids = [b.submit(q) for q in reqs(9, gen)[:load]]
     while any(b.timings.get(i) is None or b.timings[i].first is None for i in rids): b.step()
@@ -116,6 +119,41 @@ def bench_llama_cpp(path, prompt: list[int], gen: int, repeat: int, threads: int
     if r: prefill.append(len(prompt) / (t1 - t0)); steps += t  # run 0 is warm-up
   step = statistics.median(steps)
   return {"prefill_tps": statistics.median(prefill), "decode_tps": 1 / step, "ms_per_token": 1000 * step}
+
+def bench_llama_cpp_parallel(path, prompt: list[int], gen: int, repeat: int, threads: int, n: int) -> dict:
+  """llama.cpp's own batched decode, for bench_parallel's side: n sequences (the same prompt rotations), each prefilled
+  in one llama_decode, then one llama_decode a step holding each sequence's next (greedy) token; the median step after a
+  warm-up run."""
+  import llama_cpp
+  from llama_cpp import Llama, _internals
+  ctx_len = len(prompt) + gen + 8
+  llm = Llama(str(path), n_ctx=ctx_len, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
+  params = llm.context_params
+  params.n_seq_max, params.n_ctx, params.kv_unified = n, n * ctx_len, False  # a cache of ctx_len rows per sequence
+  ctx = _internals.LlamaContext(model=llm._model, params=params, verbose=False)
+  batch, vocab = llama_cpp.llama_batch_init(max(len(prompt), n), 0, 1), llm.n_vocab()
+  def decode(items: list[tuple[int, int, int]], every: bool) -> list[int]:
+    """(token, position, sequence) items -> the greedy next token of every item (`every`) or of the last"""
+    batch.n_tokens = len(items)
+    for j, (t, p, q) in enumerate(items):
+      batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.logits[j] = t, p, 1, every or j == len(items) - 1
+      batch.seq_id[j][0] = q
+    if llama_cpp.llama_decode(ctx.ctx, batch) != 0: raise RuntimeError("llama_decode failed")
+    rows = range(len(items)) if every else (len(items) - 1,)
+    return [int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx.ctx, j), shape=(vocab,)))) for j in rows]
+  steps = []
+  try:
+    for r in range(repeat + 1):
+      llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(ctx.ctx), True)
+      rots = [prompt[(r * n + i) % len(prompt):] + prompt[:(r * n + i) % len(prompt)] for i in range(n)]
+      toks = [decode([(t, p, i) for p, t in enumerate(q)], False)[0] for i, q in enumerate(rots)]
+      for g in range(gen - 1):
+        t0 = time.perf_counter(); toks = decode([(toks[i], len(prompt) + g, i) for i in range(n)], True)
+        if r: steps.append(time.perf_counter() - t0)  # run 0 is warm-up
+  finally:
+    llama_cpp.llama_batch_free(batch); ctx.close(); llm.close()
+  step = statistics.median(steps)
+  return {"parallel": n, "aggregate_decode_tps": n / step, "ms_per_step": 1000 * step}
 
 class BenchError(ValueError):
   """Settings that cannot run on this model (reported as a usage error)."""
@@ -147,6 +185,9 @@ def run(model: str, prompt_tokens: int = 128, gen: int = 64, repeat: int = 3, vs
     res["ratio"] = {k: res["tg_ds4"][k] / res["llama_cpp"][k] for k in ("prefill_tps", "decode_tps")}
     # llama.cpp reads the same weights per token; its GB/s is estimated from tg_ds4's measured bytes per step
     res["llama_cpp"]["gbps_est"] = res["tg_ds4"]["bytes_per_step"] * res["llama_cpp"]["decode_tps"] / 1e9
+    if parallel > 1:
+      lp = res["llama_cpp"]["parallel"] = bench_llama_cpp_parallel(path, prompt, gen, repeat, res["threads"], parallel)
+      lp["vs_one_stream"] = lp["aggregate_decode_tps"] / res["llama_cpp"]["decode_tps"]
   return res
 
 def format_text(r: dict) -> str:
@@ -171,4 +212,9 @@ def format_text(r: dict) -> str:
               f"~{lc['gbps_est']:.2f} GB/s at the same bytes per token"
               + (f" ({100 * lc['gbps_est'] / r['read_gbps']:.1f}%)" if "read_gbps" in r else ""),
               f"  tg_ds4 / llama.cpp: prefill {r['ratio']['prefill_tps']:.3f}x, decode {r['ratio']['decode_tps']:.3f}x"]
+    if "parallel" in lc:
+      lp = lc["parallel"]
+      lines += [f"  llama.cpp  {lp['parallel']} streams decode {lp['aggregate_decode_tps']:7.2f} tok/s together ({lp['vs_one_stream']:.2f}x its one "
+                f"stream; {lp['ms_per_step']:.1f} ms/step); tg_ds4 / llama.cpp at {lp['parallel']} streams: "
+                f"{r['parallel']['aggregate_decode_tps'] / lp['aggregate_decode_tps']:.3f}x"]
   return "\n".join(lines)
