@@ -5,9 +5,8 @@ of one request (so a long prompt delays the others by at most a chunk per step),
 request that has a token to feed: a prompt tail token (the tail a single request would feed per token, runner.FEED_TOKENS)
 or its last generated token. Prompt tails go first: while a request feeds its tail, the batched step runs the tails only
 and the generating requests wait (at most FEED_TOKENS one-row steps, less than a chunk), as vLLM's scheduler puts
-prefills before decodes. A short request thus gets its first token about as soon as on an idle engine; fed beside three
-generations, each of its tail tokens took a 4-row step (V2-Lite-shaped, 2 cores: 126 against 42 ms). Requests join and
-leave between steps.
+prefills before decodes. A short request thus gets its first token about as soon as on an idle engine, where fed
+beside the generations each of its tail tokens would wait for a step of all rows. Requests join and leave between steps.
 
 A request's answer equals the same request run alone (runner.Runner.steps): the same prefill plan and chunk steps, the
 same per-row sampling inputs (its seed and step counter: sampling.uniform hashes a row's own (seed, step)), so greedy
