@@ -89,8 +89,7 @@ class MLA:
       # a chunk's heads and tokens as one axis of rows: through the 4-D matmul, the latent rows' (symbolic) count split
       # the probabilities' address into a division and a modulo per multiply-add
       o.append(p @ k[..., :L] if T == 1 else (p.reshape(H * T, p.shape[-1]) @ k[0, 0, :, :L]).reshape(1, H, T, L))   # V = latent part of K
-      if len(rows) > 1: o[-1] = o[-1].contiguous()  # as in attention.GQA._attend_rows
-    o = o[0] if len(o) == 1 else Tensor.cat(*o)
+    o = o[0] if len(o) == 1 else Tensor.cat(*(r.contiguous() for r in o))  # each row its own kernel: attention.GQA._attend_rows
     o = _absorb(o, self.attn_v_b.weight, gemm=True).transpose(1, 2).reshape(B, T, H * cfg.v_head_dim)              # [B,T,H*v_head]
     # a chunk's heads laid out token-major first: read through the transpose, the attn_output GEMM's reduction splits
     # into head and value axes and misses kernel_opts' GEMM shape (0.3 GB/s on a V2-Lite-shaped chunk)
