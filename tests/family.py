@@ -17,7 +17,7 @@ def rel(a, b) -> float: return float(np.abs(a - b).max() / np.abs(b).max())
 def engine_run(path: pathlib.Path, prompt: tuple[int, ...], continuation: tuple[int, ...]) -> dict:
   """`path` over prompt + continuation[:-1] in exact mode (one forward) and through the engine (a captured 32-token
   chunk, then per-token steps), and generate's greedy continuation of the prompt (as long as `continuation`)."""
-  seq, r = list(prompt) + list(continuation[:-1]), Runner.load(path, max_ctx=64)
+  seq, r = list(prompt) + list(continuation[:-1]), Runner.load(path, max_ctx=64, numerics="exact")
   K = r.chunked(len(prompt))
   assert r._plan(len(prompt), 12) == ([32], 8) and K == 32  # a chunk, then 8 prompt tokens through the per-token step
   return {"prefill": r.prefill(seq, chunk=len(seq)).numpy()[0], "engine": r.engine_logits(seq, prefill_tokens=K), "K": K,
@@ -35,7 +35,7 @@ def assert_matches_transformers(label: str, root: pathlib.Path, g: dict, prompt:
 
 def llama_cpp_rounded(root: pathlib.Path, g: dict, prompt: list[int], n_gen: int) -> tuple[np.ndarray, list[int]]:
   """The engine with llama.cpp's activation rounding on the fixture entry `g`: (prompt logits, greedy continuation)."""
-  r = Runner.load(root / g["file"], max_ctx=64, llama_cpp_activations=True)
+  r = Runner.load(root / g["file"], max_ctx=64, numerics="llama.cpp")
   return r.prefill(prompt, chunk=len(prompt)).numpy()[0], list(r.generate(prompt, n_gen))
 
 def dequantized_twin(m: Transformer) -> Transformer:
@@ -51,7 +51,7 @@ def file_formats(path, max_ctx: int = 64) -> Transformer:
   """The model with the file's own packed formats (no CPU widening, `backend/cpu/widen.py`), for gguf-py to dequantize."""
   old = os.environ.get("TG_DS4_WIDEN")
   os.environ["TG_DS4_WIDEN"] = "0"
-  try: return Runner.load(path, max_ctx=max_ctx)
+  try: return Runner.load(path, max_ctx=max_ctx, numerics="exact")
   finally:
     if old is None: del os.environ["TG_DS4_WIDEN"]
     else: os.environ["TG_DS4_WIDEN"] = old

@@ -6,7 +6,7 @@ The 375-token prompt runs far past the 32-row window, fills 93 ratio-4 rows (the
 rows; the 16-token greedy continuation crosses the third ratio-128 boundary in decode. Decode goes token by token
 through the TinyJit-captured step over the whole prompt. flash-MXFP4.gguf holds transformers' weights exactly, so exact
 math is held to transformers; llama.cpp rounds every quantized matmul input to 8 bits, so for the llama.cpp comparisons
-the model rounds them the same way (`llama_cpp_activations`, tg_ds4/actquant.py)."""
+the model rounds them the same way (`numerics="llama.cpp"`, tg_ds4/actquant.py)."""
 import functools, json, pathlib
 
 import numpy as np
@@ -25,7 +25,7 @@ _models: dict[tuple[str, bool], Runner] = {}
 def load(q: str, llama_cpp: bool = False) -> Runner:
   """One model per (file, rounding) for the whole module: runs restart at position 0, which needs no cache reset."""
   if (q, llama_cpp) not in _models:
-    _models[q, llama_cpp] = Runner.load(ROOT / MAN["ggufs"][q]["file"], max_ctx=len(IDS) + N_GEN, llama_cpp_activations=llama_cpp)
+    _models[q, llama_cpp] = Runner.load(ROOT / MAN["ggufs"][q]["file"], max_ctx=len(IDS) + N_GEN, numerics="llama.cpp" if llama_cpp else "exact")
   return _models[q, llama_cpp]
 
 @functools.cache
@@ -71,7 +71,7 @@ def test_engine_path_matches_the_reference(q):
   g = MAN["ggufs"][q]
   name, want = ("logits_hf.npy", MAN["hf_greedy_ids"]) if q == "MXFP4" else (g["logits_hfdq"], g["hfdq_greedy_ids"])
   ref = np.concatenate([np.load(ROOT / name), np.load(ROOT / ("gen_" + name))[1:]])[ENGINE_K - 1:]
-  m = Runner.load(ROOT / g["file"], max_ctx=len(IDS) + N_GEN)
+  m = Runner.load(ROOT / g["file"], max_ctx=len(IDS) + N_GEN, numerics="exact")
   e = m.engine_logits(IDS + want[:-1], prefill_tokens=ENGINE_K)
   print(f"\n{q}: engine path vs reference {rel(e, ref):.2e} over {len(ref)} rows")
   assert e.shape == ref.shape and rel(e, ref) <= 5e-5  # measured 8.3e-7 (MXFP4), 9.8e-7 (IQ2_XXS)

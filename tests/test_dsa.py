@@ -47,7 +47,7 @@ def test_dsa_packed_equals_dequantized_weights(name, q):
   one forward: the same selections, the same logits to float noise."""
   m = manifest(name)
   path, ids = ROOT / name / m["ggufs"][q]["file"], m["token_ids"]
-  packed = Runner.load(path, max_ctx=512).prefill(ids, chunk=len(ids)).numpy()[0]
+  packed = Runner.load(path, max_ctx=512, numerics="exact").prefill(ids, chunk=len(ids)).numpy()[0]
   twin = dequantized_twin(file_formats(path, max_ctx=512)).prefill(ids, chunk=len(ids)).numpy()[0]
   print(f"\n{name} {q}: packed vs dequantized twin {rel(packed, twin):.1e}")
   assert rel(packed, twin) <= 1e-4
@@ -62,7 +62,7 @@ def test_dsa_quantized_vs_llama_cpp(name, q):
   position 32, which select everything, move 0.09), so logits are held to no bound here."""
   m = manifest(name)
   g, ids = m["ggufs"][q], m["token_ids"]
-  r = Runner.load(ROOT / name / g["file"], max_ctx=512, llama_cpp_activations=True)
+  r = Runner.load(ROOT / name / g["file"], max_ctx=512, numerics="llama.cpp")
   got, ll = r.prefill(ids, chunk=len(ids)).numpy()[0], np.load(ROOT / name / g["llama_logits"])
   noise = float(np.abs(got - np.stack([r.decode(t, i).numpy()[0, 0] for i, t in enumerate(ids)])).max())
   top2 = np.sort(ll, -1)[..., -2:]

@@ -60,7 +60,7 @@ def test_dense(fmt, rows):
   rng = np.random.default_rng(1)
   raw, x = _blocks(rng, fmt, 96, 256), rng.standard_normal((rows, 1, 256)).astype(np.float32)
   w = QTensor(Tensor(raw).realize(), QT[fmt], (96, 256))
-  with actquant.llama_cpp_activations(): y = linear(Tensor(x), w).numpy()
+  with actquant.numerics("llama.cpp"): y = linear(Tensor(x), w).numpy()
   _check(y, _reference(x, raw, fmt))
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
@@ -70,7 +70,7 @@ def test_gathered(fmt, x_lead):
   raw, ids = _blocks(rng, fmt, 8, 64, 256), np.array([[6, 1, 6]], np.int32)
   x = rng.standard_normal((*x_lead, 2, 256)).astype(np.float32)
   w = QTensor(Tensor(raw).realize(), QT[fmt], (8, 64, 256))
-  with actquant.llama_cpp_activations(): y = linear(Tensor(x), w[Tensor(ids)]).numpy()
+  with actquant.numerics("llama.cpp"): y = linear(Tensor(x), w[Tensor(ids)]).numpy()
   _check(y, _reference(x, raw[ids], fmt))
 
 def test_rows_equal_alone():
@@ -78,20 +78,23 @@ def test_rows_equal_alone():
   rng = np.random.default_rng(3)
   raw, x = _blocks(rng, "Q4_0", 64, 512), rng.standard_normal((4, 1, 512)).astype(np.float32)
   w = QTensor(Tensor(raw).realize(), QT["Q4_0"], (64, 512))
-  with actquant.llama_cpp_activations():
+  with actquant.numerics("llama.cpp"):
     together = linear(Tensor(x), w).numpy()
     alone = [linear(Tensor(x[i]), w).numpy() for i in range(4)]
   assert all(np.array_equal(together[i], alone[i]) for i in range(4))
 
-def test_only_under_llama_cpp_rounding(monkeypatch):
-  """The integer kernel runs under llama_cpp_activations only; exact float math stays the default, and
-  `TG_DS4_INT_DOT=0` turns the kernel off (the float form on rounded x then gives the same values)."""
+def test_only_where_inputs_are_rounded(monkeypatch):
+  """The integer kernel runs where actquant rounds the input ("llama.cpp" and "auto" numerics), never in exact float
+  math (also what a matmul outside a model's graphs gets), and `TG_DS4_INT_DOT=0` turns the kernel off (the float form
+  on rounded x then gives the same values; "auto" is then exact)."""
   rng = np.random.default_rng(4)
   raw, x = _blocks(rng, "Q4_0", 32, 128), Tensor(rng.standard_normal((1, 128)).astype(np.float32))
   w = QTensor(Tensor(raw).realize(), QT["Q4_0"], (32, 128))
   names = lambda t: [u.arg.name for u in t.uop.toposort() if u.op is Ops.SINK and hasattr(u.arg, "name")]
   assert backend.int_dot(x, w) is None
-  with actquant.llama_cpp_activations():
+  with actquant.numerics("exact"): assert backend.int_dot(x, w) is None
+  with actquant.numerics("auto"): assert any("intdot" in n for n in names(linear(x, w)))
+  with actquant.numerics("llama.cpp"):
     on = linear(x, w)
     assert any("intdot" in n for n in names(on))
     monkeypatch.setenv("TG_DS4_INT_DOT", "0")
@@ -117,7 +120,7 @@ def test_expert_tiles_equal_per_pair():
   for name, (o, i) in (("ffn_gate_exps", (32, 64)), ("ffn_up_exps", (32, 64)), ("ffn_down_exps", (64, 32))):
     getattr(moe, name).weight = QTensor(Tensor(_blocks(rng, "Q4_0", 16, o, i)).realize(), QT["Q4_0"], (16, o, i))
   x = rng.standard_normal((1, 24, 64)).astype(np.float32)
-  with actquant.llama_cpp_activations():
+  with actquant.numerics("llama.cpp"):
     assert moe.tiled(24 * 4, "CPU") and backend.int_dot_tiles(*moe._exps_weights())
     chunk = moe(Tensor(x)).numpy()
     alone = np.concatenate([moe(Tensor(x[:, t:t + 1])).numpy() for t in range(24)], 1)
@@ -130,7 +133,7 @@ def test_kernels_declare_their_buffers():
   from tinygrad.engine.realize import compile_linear, get_call_outs_ins
   rng = np.random.default_rng(6)
   w = QTensor(Tensor(_blocks(rng, "Q8_0", 32, 128)).realize(), QT["Q8_0"], (32, 128))
-  with actquant.llama_cpp_activations(): y = linear(Tensor(rng.standard_normal((1, 128)).astype(np.float32)) * 2, w)
+  with actquant.numerics("llama.cpp"): y = linear(Tensor(rng.standard_normal((1, 128)).astype(np.float32)) * 2, w)
   lin, _ = y.linear_with_vars()
   seen = {call.src[0].arg.name: get_call_outs_ins(call) for call in compile_linear(lin).src if call.src[0].op is Ops.PROGRAM}
   assert seen["q8_0_quantize_4"] == ((0, 1), (2,))           # writes the int8 values and scales, reads x

@@ -3,15 +3,18 @@ transformers fp32 logits for the F32 GGUFs, transformers on gguf-py-dequantized 
 and llama.cpp (llama-cpp-python, F32 KV cache) logits and greedy continuations for every file.
 
 llama.cpp rounds activations to 8 bits inside quantized matmuls, so on quantized files it sits ~0.05-0.2 logits from
-exact fp32 math (more where that flips an expert or a greedy near-tie). tg_ds4's default exact math is held to hfdq
-tightly; for the comparison with llama.cpp the model is built with `llama_cpp_activations=True`, which rounds matmul
-inputs exactly as llama.cpp does (tg_ds4/actquant.py)."""
+exact fp32 math (more where that flips an expert or a greedy near-tie). tg_ds4's exact numerics are held to hfdq
+tightly; for the comparison with llama.cpp the model is built with `numerics="llama.cpp"`, which rounds matmul inputs
+exactly as llama.cpp does (tg_ds4/actquant.py), and so are the default numerics ("auto") on the files whose every
+packed format the CPU takes integer dots for."""
 import functools, json, pathlib
 
 import numpy as np
 import pytest
 
 from family import NEAR_TIE, dequantized_twin, file_formats
+from tg_ds4 import backend
+from tg_ds4.backend.cpu import intdot
 from tg_ds4.runner import FEED_TOKENS, Runner
 
 ROOT = pathlib.Path(__file__).parent / "fixtures" / "deepseek2"
@@ -27,7 +30,7 @@ QUANT_FILES = [fq for fq in FILES if fq[1] != "F32"]
 def rel(a, b) -> float: return float(np.abs(a - b).max() / np.abs(b).max())
 
 @functools.cache
-def run(fam: str, q: str, twin: bool = False, llama_cpp: bool = False) -> dict:
+def run(fam: str, q: str, twin: bool = False, numerics: str = "exact") -> dict:
   """Everything the tests compare, computed once per file: prefill logits over the prompt; decode-mode logits over
   the prompt (one token at a time through the TinyJit step) continued greedily for n_gen tokens; and the production
   path: `engine_logits` over the prompt and the reference's continuation (the first ENGINE_K tokens through a padded
@@ -36,7 +39,7 @@ def run(fam: str, q: str, twin: bool = False, llama_cpp: bool = False) -> dict:
   man = manifest(fam)
   path, ids, n_gen = ROOT / fam / man["ggufs"][q]["file"], man["token_ids"], man["n_gen"]
   load = lambda: dequantized_twin(file_formats(path)) if twin else \
-    Runner.load(path, max_ctx=64, llama_cpp_activations=llama_cpp)
+    Runner.load(path, max_ctx=64, numerics=numerics)
   prefill = load().prefill(ids, chunk=len(ids)).numpy()[0]
   m, steps, greedy = load(), [], []
   for i in range(len(ids) + n_gen):
@@ -44,7 +47,7 @@ def run(fam: str, q: str, twin: bool = False, llama_cpp: bool = False) -> dict:
     steps.append(m.decode(tok, i).numpy()[0, 0])
     if i >= len(ids) - 1 and len(greedy) < n_gen: greedy.append(int(steps[-1].argmax()))
   out = {"prefill": prefill, "decode": np.stack(steps[:len(ids)]), "greedy": greedy, "gen_logits": np.stack(steps[len(ids) - 1:-1])}
-  if twin or llama_cpp: return out
+  if twin or numerics != "exact": return out
   g = man["ggufs"][q]
   ref_ids = man["hf_greedy_ids"] if q == "F32" else g["hf_greedy_ids"]
   e = load()
@@ -90,7 +93,7 @@ def run_long(fam: str, q: str) -> dict:
   continuation, `generate`'s greedy ids, and a second turn resumed after a first of `resume_after` tokens."""
   man, L = manifest(fam), manifest(fam)["long"]
   ids, ref_ids = L["token_ids"], L["ggufs"][q]["hf_greedy_ids"]
-  e = Runner.load(ROOT / fam / man["ggufs"][q]["file"], max_ctx=LONG_CTX)
+  e = Runner.load(ROOT / fam / man["ggufs"][q]["file"], max_ctx=LONG_CTX, numerics="exact")
   assert e._plan(LONG_K, FEED_TOKENS) == ([128, 32], 0) and e._plan(len(ids), FEED_TOKENS) == ([128, 32], 0)
   out = {"engine": e.engine_logits(ids + ref_ids[:-1], prefill_tokens=LONG_K), "greedy": list(e.generate(ids, L["n_gen"]))}
   list(e.generate(ids[:L["resume_after"]], 3))
@@ -141,8 +144,17 @@ def test_quantized_matches_transformers_on_same_weights(fam, q):
 # activation rounding, a difference in float summation order alone (same math) flips single roundings and moves
 # logits by 0.03-0.1 (test_rounding_noise_exceeds_near_tie); no engine that does not reproduce llama.cpp's exact
 # summation order can be held to a choice closer than that. models_and_peers.md section 5 prescribes the same rule.
-@pytest.mark.parametrize("fam,q", QUANT_FILES)
-def test_quantized_vs_llama_cpp(fam, q):
+def int_dot_only(fam: str, q: str) -> bool:
+  """Whether every packed format of the file is one the CPU takes integer dots for: "auto" numerics are then llama.cpp's."""
+  import gguf
+  types = {t.tensor_type.name for t in gguf.GGUFReader(ROOT / fam / manifest(fam)["ggufs"][q]["file"]).tensors} - {"F32"}
+  return types <= set(intdot.FORMATS)
+
+# the default numerics on one Q4_0 and one Q8_0 file (where the CPU has integer dots): the same assertions as llama.cpp's
+AUTO_FILES = [fq for fq in QUANT_FILES if fq in {("ds3", "Q4_0"), ("glm", "Q8_0")}]
+
+@pytest.mark.parametrize("fam,q,numerics", [(*fq, "llama.cpp") for fq in QUANT_FILES] + [(*fq, "auto") for fq in AUTO_FILES])
+def test_quantized_vs_llama_cpp(fam, q, numerics):
   """With llama.cpp's activation rounding: top-1 equal to llama.cpp's own run of the file on >= 95% of the prompt
   positions where llama.cpp's top-2 margin is clear (NEAR_TIE, as for the greedy steps), logits within 0.15 (one
   flipped rounding or routing choice moves them by 0.03-0.1), and the greedy continuation identical for as long as
@@ -150,24 +162,27 @@ def test_quantized_vs_llama_cpp(fam, q):
   move on this file (our prefill vs our decode over the prompt), as test_dsa does. (ds3k Q4_K_M: margins of 0.0017
   and 0.0057 at two of its 32 positions, and 0.013 at its first greedy step, while our own decode and prefill differ
   by up to 0.09-0.1 there.)"""
-  g, r = manifest(fam)["ggufs"][q], run(fam, q, llama_cpp=True)
+  if numerics == "auto":
+    assert len(AUTO_FILES) == 2 and int_dot_only(fam, q)
+    if not backend.int_dot_format(None, "CPU"): pytest.skip("no integer dots on this CPU: auto numerics are exact here")
+  g, r = manifest(fam)["ggufs"][q], run(fam, q, numerics=numerics)
   ll = np.load(ROOT / fam / g["logits"])
   top2 = np.sort(ll, -1)[..., -2:]
   clear = (top2[..., 1] - top2[..., 0]) >= NEAR_TIE
   noise = float(np.abs(r["decode"] - r["prefill"]).max())
   agree = float((r["prefill"].argmax(-1) == ll.argmax(-1))[clear].mean())
   n = next((i for i, mg in enumerate(g["greedy_top2_margin"]) if mg < max(NEAR_TIE, noise)), len(g["greedy_top2_margin"]))
-  print(f"\n{fam} {q} vs llama.cpp: max|d| {np.abs(r['prefill'] - ll).max():.2e}, top-1 agreement {agree:.1%}, our prefill vs "
+  print(f"\n{fam} {q} ({numerics} numerics) vs llama.cpp: max|d| {np.abs(r['prefill'] - ll).max():.2e}, top-1 agreement {agree:.1%}, our prefill vs "
         f"decode {noise:.1e}, greedy {'identical' if r['greedy'] == g['greedy_ids'] else 'differs'} (first {n} steps compared)")
   assert agree >= 0.95 and np.abs(r["prefill"] - ll).max() <= 0.15
   assert r["greedy"][:n] == g["greedy_ids"][:n]
 
-def test_rounding_noise_under_llama_cpp_activations():
+def test_rounding_noise_under_llama_cpp_numerics():
   """A measurement, printed (the evidence for NEAR_TIE): with llama.cpp's 8-bit activation rounding, decode (GEMV) and
   prefill (GEMM) compute the same math in different summation orders and still move logits by a few hundredths on
   some quantized files, against ~1e-6 in exact math (test_decode_matches_prefill). Asserted: only that it stays
   within test_quantized_vs_llama_cpp's 0.15."""
-  noise = {f"{fam} {q}": float(np.abs(run(fam, q, llama_cpp=True)["decode"] - run(fam, q, llama_cpp=True)["prefill"]).max())
+  noise = {f"{fam} {q}": float(np.abs(run(fam, q, numerics="llama.cpp")["decode"] - run(fam, q, numerics="llama.cpp")["prefill"]).max())
            for fam, q in QUANT_FILES}
   print("\ndecode vs prefill under llama.cpp rounding: " + ", ".join(f"{k} {v:.1e}" for k, v in noise.items()))
   assert max(noise.values()) <= 0.15

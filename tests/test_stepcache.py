@@ -98,7 +98,7 @@ def test_keys_cover_what_changes_the_program(cache, monkeypatch):
   key = lambda model=DS3, **kw: Runner.load(str(model), **{"max_ctx": 64, **kw}).step_cache.key("decode")
   base = key()
   assert key() == base  # stable across model instances
-  assert len({base, key(max_ctx=32), key(DS3_Q8), key(llama_cpp_activations=True)}) == 4
+  assert len({base, key(max_ctx=32), key(DS3_Q8), key(numerics="llama.cpp")}) == 4
   assert Runner.load(str(DS3), max_ctx=64).step_cache.key("greedy") != base
   monkeypatch.setenv("TG_DS4_WIDEN", "0")
   assert key() != base

@@ -47,7 +47,7 @@ def cmd_logits(args) -> int:
   if not tokens: raise UsageError("--tokens is empty")
   if args.max_context and len(tokens) > args.max_context:
     raise UsageError(f"--tokens has {len(tokens)} tokens; --max-context {args.max_context} holds fewer")
-  runner = Runner.load(_open(args), max_ctx=args.max_context or len(tokens), llama_cpp_activations=args.llama_cpp_rounding)
+  runner = Runner.load(_open(args), max_ctx=args.max_context or len(tokens), numerics=args.numerics)
   if bad := [t for t in tokens if not 0 <= t < runner.model.cfg.n_vocab]:
     raise UsageError(f"token ids {bad[:5]} are outside the vocabulary [0, {runner.model.cfg.n_vocab})")
   if args.prefill_tokens is not None and (args.mode != "engine" or not 0 <= args.prefill_tokens <= len(tokens)):
@@ -91,7 +91,7 @@ def _load(args):
   from tg_ds4.runner import Runner
   from tg_ds4.tokenizer import Tokenizer
   gf = _open(args)
-  return gf, Runner.load(gf, max_ctx=args.max_context or default_context(gf), llama_cpp_activations=args.llama_cpp_rounding), \
+  return gf, Runner.load(gf, max_ctx=args.max_context or default_context(gf), numerics=args.numerics), \
     Tokenizer.from_gguf(gf)
 
 def _sampling(args):
@@ -173,7 +173,7 @@ def cmd_bench(args) -> int:
   if args.prompt_tokens < 1 or args.gen < 2 or args.repeat < 1: raise UsageError("--prompt-tokens >= 1, --gen >= 2 and --repeat >= 1")
   if not 1 <= args.parallel <= 8: raise UsageError("--parallel must be in [1, 8]")
   try: r = bench.run(args.model, args.prompt_tokens, args.gen, args.repeat, args.vs_llama_cpp, args.quantize, args.parallel,
-                    args.llama_cpp_rounding)
+                    args.numerics)
   except bench.BenchError as e: raise UsageError(str(e)) from None
   print(json.dumps(r, indent=1) if args.json else bench.format_text(r))
   return 0
@@ -192,7 +192,7 @@ def cmd_profile(args) -> int:
   if args.parallel > 1 and args.prefill: raise UsageError("--prefill profiles one sequence's chunk: not with --parallel")
   path = resolve(args.model)
   try: model = Runner.load(_open(args), max_ctx=(127 if args.pos is None else args.pos) + 1, parallel=args.parallel,
-                            llama_cpp_activations=args.llama_cpp_rounding).model
+                            numerics=args.numerics).model
   except ValueError as e: raise UsageError(str(e)) from None
   pos = model.max_ctx - 1 if args.pos is None else args.pos
   if pos >= model.max_ctx: raise UsageError(f"--pos {pos} is past the model's context of {model.max_ctx}")
@@ -255,10 +255,14 @@ def add_quantize(s) -> None:
   s.add_argument("--quantize", choices=QUANTIZE, help="a checkpoint folder's matrices quantized at load, one tensor at a time (default: "
                                                      "its own float types)")
 
-def add_rounding(s) -> None:
-  s.add_argument("--llama-cpp-rounding", action="store_true",
-                 help="round each quantized matmul's input to 8 bits as llama.cpp does: its numerics instead of exact float "
-                      "math; on an AVX2 CPU, Q4_0/Q4_1/Q8_0 GEMVs then take integer dot products (faster decode)")
+def add_numerics(s) -> None:
+  s.add_argument("--numerics", choices=("auto", "exact", "llama.cpp"), default="auto",
+                 help="how quantized matmuls treat their inputs: auto (default) rounds them to 8 bits as llama.cpp does "
+                      "where this device takes integer dot products for the weight's format (Q4_0/Q4_1/Q8_0 on an AVX2 "
+                      "CPU: faster) and is exact float math elsewhere; exact: float math everywhere (transformers' "
+                      "arithmetic on the same weights); llama.cpp: every input rounded as llama.cpp rounds it")
+  s.add_argument("--llama-cpp-rounding", dest="numerics", action="store_const", const="llama.cpp",
+                 help="the same as --numerics llama.cpp")
 
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="tg_ds4", description="DeepSeek-family GGUF inference on tinygrad")
@@ -273,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
   s = sub.add_parser("logits", help="float32 logits [n_tokens, vocab] for a token-id sequence (the correctness probe)")
   s.add_argument("-m", "--model", required=True, help="a .gguf file, a Hugging Face checkpoint folder or a short model name")
   add_quantize(s)
-  add_rounding(s)
+  add_numerics(s)
   s.add_argument("--tokens", required=True, help="comma-separated token ids, e.g. 1,2,3")
   s.add_argument("--mode", choices=["prefill", "decode", "engine"], default="prefill",
                  help="one forward over all tokens; one token at a time; or as generation runs: the first K tokens through its "
@@ -294,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
   s = sub.add_parser("generate", help="continue a prompt, streaming only the generated text to stdout")
   s.add_argument("-m", "--model", default="smollm2", help="a .gguf file, a Hugging Face checkpoint folder or a short model name (default smollm2)")
   add_quantize(s)
-  add_rounding(s)
+  add_numerics(s)
   add_beam(s)
   s.add_argument("-p", "--prompt", required=True, help="the prompt text")
   s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user message")
@@ -303,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
   s = sub.add_parser("chat", help="interactive multi-turn chat using the model's template")
   s.add_argument("-m", "--model", default="smollm2", help="a .gguf file, a Hugging Face checkpoint folder or a short model name (default smollm2)")
   add_quantize(s)
-  add_rounding(s)
+  add_numerics(s)
   add_beam(s)
   s.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
                  help="reasoning on/off (template variables thinking / enable_thinking; default: the template's own)")
@@ -328,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
   s = sub.add_parser("bench", help="prefill/decode tok/s, kernels and bytes per step, GB/s; optionally against llama.cpp")
   s.add_argument("-m", "--model", default="smollm2", help="a .gguf file, a Hugging Face checkpoint folder or a short model name (default smollm2)")
   add_quantize(s)
-  add_rounding(s)
+  add_numerics(s)
   add_beam(s)
   s.add_argument("--prompt-tokens", type=int, default=128)
   s.add_argument("--gen", type=int, default=64)
@@ -341,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
   s = sub.add_parser("profile", help="time one decode step (and a prefill chunk) kernel by kernel, by block and op; CSV/JSON/PNG")
   s.add_argument("-m", "--model", default="smollm2", help="a .gguf file, a Hugging Face checkpoint folder or a short model name (default smollm2)")
   add_quantize(s)
-  add_rounding(s)
+  add_numerics(s)
   add_beam(s)
   s.add_argument("--pos", type=int, help="decode position: the step attends over pos+1 cache rows (default 127, or the context's end)")
   s.add_argument("--repeat", type=int, default=10, help="replays per kernel timing; the median is kept (default 10)")
@@ -353,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
   s = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server (one inference worker, streaming, prefix KV reuse)")
   s.add_argument("-m", "--model", default="smollm2", help="a .gguf file, a Hugging Face checkpoint folder or a short model name (default smollm2)")
   add_quantize(s)
-  add_rounding(s)
+  add_numerics(s)
   add_beam(s)
   s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
   s.add_argument("--port", type=int, default=8000)

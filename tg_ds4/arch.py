@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from tinygrad import Tensor, UOp
 
+from tg_ds4 import actquant
 from tg_ds4.config import ModelConfig
 from tg_ds4.ds4 import DS4Config, DS4Transformer
 from tg_ds4.gguf import GGUFError, GGUFFile
@@ -20,7 +21,7 @@ class Model(Protocol):
   """A loaded model: a forward over its own caches, the cache layout, and how far a cached prefix can be reused."""
   cfg: Any                          # ModelConfig or DS4Config: n_vocab, ctx_len, ...
   max_ctx: int
-  llama_cpp_activations: bool
+  numerics: str                     # actquant.NUMERICS: how quantized matmuls treat their inputs
   PREFILL_CHUNKS: tuple[int, ...]   # token counts of the captured prefill steps, ascending
   PREFILL_CHUNK: int                # the most tokens one prefill step writes (the caches' slack past max_ctx)
   MAX_FORWARD_TOKENS: int | None    # the most tokens one forward takes; None: any
@@ -46,7 +47,7 @@ class Model(Protocol):
 @dataclass(frozen=True)
 class Arch:
   config: Any  # a frozen config class with from_gguf(gf)
-  model: Any   # a Model class with load(cfg, gf, device, max_ctx, llama_cpp_activations)
+  model: Any   # a Model class with load(cfg, gf, device, max_ctx, numerics)
 
 _DEEPSEEK2_AND_DENSE = Arch(ModelConfig, Transformer)
 ARCHS: dict[str, Arch] = {"deepseek2": _DEEPSEEK2_AND_DENSE, "llama": _DEEPSEEK2_AND_DENSE, "qwen2": _DEEPSEEK2_AND_DENSE,
@@ -64,14 +65,14 @@ DEFAULT_CONTEXT = 4096  # the CLI's and the server's context when none is given,
 
 def default_context(gf: GGUFFile) -> int: return min(DEFAULT_CONTEXT, config_of(gf).ctx_len)
 
-def load_model(gf: GGUFFile, device: str, max_ctx: int | None = None, llama_cpp_activations: bool = False, slots: int = 1) -> Model:
+def load_model(gf: GGUFFile, device: str, max_ctx: int | None = None, numerics: str = "auto", slots: int = 1) -> Model:
   """The model of `gf`: config, weights (packed, mmapped), caches for `max_ctx` positions (default: the file's context).
   A context past the trained one is allowed, as llama.cpp allows it, with one warning: the math is defined there (RoPE
-  of any position), only the model's quality is not. `llama_cpp_activations` rounds quantized-matmul inputs as
-  llama.cpp's CPU backend does (see actquant.py)."""
+  of any position), only the model's quality is not. `numerics`: how quantized matmuls treat their inputs
+  (actquant.py: "auto", "exact" or "llama.cpp")."""
   cfg = config_of(gf)
   if (max_ctx := max_ctx or cfg.ctx_len) > cfg.ctx_len and getattr(cfg, "pos_embd", False):
     raise GGUFError(f"{gf.path}: learned positions (position_embd) for {cfg.ctx_len} tokens, a context of {max_ctx} was asked for")
   if max_ctx > cfg.ctx_len:
     logging.getLogger("tg_ds4").warning("%s: a context of %d positions exceeds the %d the model was trained for", gf.path.name, max_ctx, cfg.ctx_len)
-  return ARCHS[gf.arch].model.load(cfg, gf, device, max_ctx, llama_cpp_activations, slots)
+  return ARCHS[gf.arch].model.load(cfg, gf, device, max_ctx, actquant.check(numerics), slots)

@@ -8,6 +8,7 @@ import json, os, statistics, threading, time
 import numpy as np
 from tinygrad import Device, GlobalCounters
 
+from tg_ds4 import actquant
 from tg_ds4.runner import Runner
 from tg_ds4.registry import cache_dir, resolve
 from tg_ds4.backend import on_cpu
@@ -45,8 +46,8 @@ def _prompt(tok: Tokenizer, n: int) -> list[int]:
   if len(ids) < n: raise ValueError(f"could not build a {n}-token prompt")
   return ids
 
-def bench_tg(path, prompt: list[int], gen: int, repeat: int, llama_cpp_rounding: bool = False) -> dict:
-  runner = Runner.load(path, max_ctx=len(prompt) + gen + 8, llama_cpp_activations=llama_cpp_rounding)
+def bench_tg(path, prompt: list[int], gen: int, repeat: int, numerics: str = "auto") -> dict:
+  runner = Runner.load(path, max_ctx=len(prompt) + gen + 8, numerics=numerics)
   for _ in range(2): list(runner.generate(prompt, 4))  # compile + capture both JITs
   prefill, steps = [], []
   for _ in range(repeat):
@@ -64,14 +65,14 @@ def bench_tg(path, prompt: list[int], gen: int, repeat: int, llama_cpp_rounding:
           "kernels_per_step": GlobalCounters.kernel_count, "bytes_per_step": GlobalCounters.global_mem,
           "gbps": GlobalCounters.global_mem / step / 1e9}
 
-def bench_parallel(path, prompt: list[int], gen: int, repeat: int, n: int, llama_cpp_rounding: bool = False) -> dict:
+def bench_parallel(path, prompt: list[int], gen: int, repeat: int, n: int, numerics: str = "auto") -> dict:
   """n requests at once through batch.Batcher (each its own rotation of the prompt, so no slot reuses another's
   prefix): the median wall of a step in which all n rows produced a token gives the aggregate and per-stream decode
   tok/s; then the time to first token of a short request (8 tokens, none of them in a cache), idle and while n - 1
   long generations run."""
   from tg_ds4.batch import Batcher, Request
   from tg_ds4.runner import reusable_prefix
-  try: runner = Runner.load(path, max_ctx=len(prompt) + gen + 8, parallel=n, llama_cpp_activations=llama_cpp_rounding)
+  try: runner = Runner.load(path, max_ctx=len(prompt) + gen + 8, parallel=n, numerics=numerics)
   except ValueError as e: raise BenchError(str(e)) from None
   b = Batcher(runner)
   reqs = lambda r, g: [Request(tuple(prompt[(r * n + i) % len(prompt):] + prompt[:(r * n + i) % len(prompt)]), g) for i in range(n)]
@@ -155,11 +156,14 @@ def bench_llama_cpp_parallel(path, prompt: list[int], gen: int, repeat: int, thr
   step = statistics.median(steps)
   return {"parallel": n, "aggregate_decode_tps": n / step, "ms_per_step": 1000 * step}
 
+NUMERICS_TEXT = {"auto": "llama.cpp's 8-bit inputs and integer dots for Q4_0/Q4_1/Q8_0 weights, exact float elsewhere",
+                 "exact": "exact float matmuls", "llama.cpp": "llama.cpp's 8-bit matmul inputs"}
+
 class BenchError(ValueError):
   """Settings that cannot run on this model (reported as a usage error)."""
 
 def run(model: str, prompt_tokens: int = 128, gen: int = 64, repeat: int = 3, vs_llama_cpp: bool = False, quantize: str | None = None,
-        parallel: int = 1, llama_cpp_rounding: bool = False) -> dict:
+        parallel: int = 1, numerics: str = "auto") -> dict:
   from tg_ds4.arch import config_of
   from tg_ds4.checkpoint import Checkpoint, open_model
   path = resolve(model)
@@ -171,10 +175,10 @@ def run(model: str, prompt_tokens: int = 128, gen: int = 64, repeat: int = 3, vs
   tok = Tokenizer.from_gguf(gf)
   prompt = _prompt(tok, prompt_tokens)
   res = {"model": model, "file": str(path), "prompt_tokens": prompt_tokens, "gen": gen, "repeat": repeat,
-         "threads": engine_threads(), "beam": int(os.environ.get("JITBEAM", 0)), "llama_cpp_rounding": llama_cpp_rounding}
+         "threads": engine_threads(), "beam": int(os.environ.get("JITBEAM", 0)), "numerics": actquant.effective(numerics, Device.DEFAULT)}
   # the batched run first: a model without slots fails at once
-  if parallel > 1: res["parallel"] = bench_parallel(gf, prompt, gen, repeat, parallel, llama_cpp_rounding)
-  res["tg_ds4"] = bench_tg(gf, prompt, gen, repeat, llama_cpp_rounding)
+  if parallel > 1: res["parallel"] = bench_parallel(gf, prompt, gen, repeat, parallel, numerics)
+  res["tg_ds4"] = bench_tg(gf, prompt, gen, repeat, numerics)
   res["device"] = Device.DEFAULT
   if parallel > 1: res["parallel"]["vs_one_stream"] = res["parallel"]["aggregate_decode_tps"] / res["tg_ds4"]["decode_tps"]
   if on_cpu(None):  # the host's streaming read is the CPU's roofline; a GPU's memory is another
@@ -194,7 +198,7 @@ def format_text(r: dict) -> str:
   t = r["tg_ds4"]
   lines = [f"{r['model']}: {r['prompt_tokens']}-token prompt, {r['gen']} generated, medians over {r['repeat']} runs"
            + (f", kernels tuned with BEAM={r['beam']}" if r.get("beam") else ", heuristic kernels")
-           + (", llama.cpp's 8-bit matmul inputs" if r.get("llama_cpp_rounding") else ", exact float matmuls"),
+           + ", " + NUMERICS_TEXT[r.get("numerics", "exact")],
            f"  tg_ds4     prefill {t['prefill_tps']:8.1f} tok/s   decode {t['decode_tps']:7.2f} tok/s ({t['ms_per_token']:.1f} ms/token)",
            f"             {t['kernels_per_step']} kernels/step, {t['bytes_per_step'] / 1e6:.1f} MB/step, {t['gbps']:.2f} GB/s "
            + (f"= {100 * t['bandwidth_fraction']:.1f}% of this machine's {r['read_gbps']:.1f} GB/s streaming read on {r['threads']} threads"

@@ -216,7 +216,7 @@ class HyperConn:
     llama.cpp's rounding of a quantized fn's input is emulated (real files store fn F16), normalised first (flag True)."""
     B, T, hc, D = x.shape
     flat, w = x.reshape(B * T, hc * D), getattr(self, f"{self.name}_fn").weight
-    if isinstance(w, QTensor) and w.qtype.name != "F32" and actquant.enabled():
+    if isinstance(w, QTensor) and actquant.rounds(w.qtype.name, str(w.device)):
       return linear(rms0(flat, self.cfg.norm_eps), w, dtype=dtypes.float32), True
     rows = as_tensor(w).expand(B * T, *w.shape).cat(flat.unsqueeze(1) / (hc * D), dim=1)          # [B*T, mix+1, hc*D]
     return dot_lanes(flat.unsqueeze(1), rows).squeeze(1), False
@@ -472,11 +472,11 @@ class DS4Transformer:
     self.output = Linear(cfg.dim, cfg.n_vocab)
 
   @classmethod
-  def load(cls, cfg: DS4Config, gf: GGUFFile, device: str, max_ctx: int, llama_cpp_activations: bool, slots: int = 1) -> DS4Transformer:
+  def load(cls, cfg: DS4Config, gf: GGUFFile, device: str, max_ctx: int, numerics: str, slots: int = 1) -> DS4Transformer:
     if slots != 1: raise ValueError(f"{gf.path}: deepseek4 runs one sequence at a time (its ring caches have no slots yet), {slots} were asked for")
     model = cls(cfg)
     load_weights(model, gf, device)
-    model.max_ctx, model.llama_cpp_activations, model.precision = max_ctx, llama_cpp_activations, precision.for_device(device)
+    model.max_ctx, model.numerics, model.precision = max_ctx, numerics, precision.for_device(device)
     C = cls.PREFILL_CHUNK
     rows = -(-(max_ctx + 2 * C + 128 * 2) // 128) * 128   # padded chunks, candidate windows; a multiple of every ratio
     main, comp = rope_table(cfg.rope, rows, device), rope_table(cfg.rope_comp, rows, device)
@@ -488,7 +488,7 @@ class DS4Transformer:
   def forward(self, tokens: Tensor | UOp, start_pos: int | UOp, last_only: bool = False, select: Tensor | None = None) -> Tensor:
     """tokens `[1, T]` int32 (T <= PREFILL_CHUNK) or one token as a bound variable, at positions start_pos.. -> logits
     `[1, T, vocab]` (or `[1, 1, vocab]` for the last / the one-hot `select`ed position)."""
-    with actquant.llama_cpp_activations(self.llama_cpp_activations), precision.matmuls_in(self.precision.matmul):
+    with actquant.numerics(self.numerics), precision.matmuls_in(self.precision.matmul):
       e = self.token_embd(tokens)
       B, T, D = e.shape
       assert T <= self.PREFILL_CHUNK, f"{T} tokens in one forward, at most {self.PREFILL_CHUNK}"

@@ -92,7 +92,7 @@ class Transformer:
     self.output = Linear(cfg.dim, cfg.n_vocab)
 
   @classmethod
-  def load(cls, cfg: ModelConfig, gf: GGUFFile, device: str, max_ctx: int, llama_cpp_activations: bool, slots: int = 1) -> Transformer:
+  def load(cls, cfg: ModelConfig, gf: GGUFFile, device: str, max_ctx: int, numerics: str, slots: int = 1) -> Transformer:
     """Weights from the file (packed; see layers.load_weights), CPU re-encodings, caches (`slots` sequences side by
     side: rows.py) and rope tables."""
     model = cls(cfg)
@@ -100,11 +100,11 @@ class Transformer:
     for i, b in enumerate(model.blk):
       if cfg.mla and f"blk.{i}.attn_k_b.weight" not in gf: _split_kv_b(b.attn, gf, i, device)
     load_weights(model, gf, device, rename)
-    backend.prepare_model(model, device, llama_cpp_activations)
+    backend.prepare_model(model, device, numerics)
     for b in model.blk:
       b.fuse()
       compat.release_freed_buffers(device)  # the rows it replaced, if they were in memory (a quantized checkpoint)
-    model.max_ctx, model.llama_cpp_activations, model.precision = max_ctx, llama_cpp_activations, precision.for_device(device)
+    model.max_ctx, model.numerics, model.precision = max_ctx, numerics, precision.for_device(device)
     rows = max_ctx + cls.PREFILL_CHUNK  # slack for the padded tail of the last prefill chunk
     model.rope = rope_table(cfg.rope, rows, device, _rope_freqs(gf, cfg.rope.dim)) if cfg.rope.dim else None
     if cfg.pos_embd:  # float rows, with zero rows for a padded chunk's tail past the last position
@@ -126,7 +126,7 @@ class Transformer:
     (last_only) or for the position picked by the one-hot `select` `[1, T, 1]` (a JIT input, unlike a Python index).
     A batched step: one token per row as bound variables, and `start_pos` the rows' slots and positions (rows.Rows)
     -> `[B, 1, vocab]`."""
-    with actquant.llama_cpp_activations(self.llama_cpp_activations), precision.matmuls_in(self.precision.matmul):
+    with actquant.numerics(self.numerics), precision.matmuls_in(self.precision.matmul):
       x = Tensor.cat(*[self.token_embd(t) for t in tokens]) if isinstance(tokens, list) else self.token_embd(tokens)
       if self.cfg.embed_scale != 1.0: x = x * self.cfg.embed_scale
       if self.cfg.pos_embd: x = x + Rows.of(start_pos).table(self.pos_rows, x.shape[1])

@@ -1,4 +1,5 @@
-"""Arithmetic precision per device. The CPU computes exact float32, the references' math. On a GPU the default is half:
+"""Arithmetic precision per device. The CPU computes float32, the references' math (a quantized matmul's input
+rounded where actquant.py's numerics say so). On a GPU the default is half:
 matmul inputs and dequantized weights in float16 with float32 accumulation and float32 outputs (what tensor cores
 take), and float16 KV caches (half the bytes the attention reads per token); the residual stream, norms, RoPE,
 attention scores and softmax, the MoE router (its top-k choices) and the head's logits stay float32. deepseek4 keeps

@@ -471,12 +471,12 @@ def linear(x: Tensor, w: Weight, bias: Weight | None = None, dtype: DType | None
   experts, at most `LANES_MAX_ROWS` rows of x) the contraction is two sums: first over the blocks and every layout axis but `LANES` consecutive
   positions of the layout's lane axis, then over those lanes. The first sum keeps one accumulator per lane, which the C
   compiler turns into vector multiply-adds; a plain dot product is one chain of dependent scalar adds (float addition
-  is not reassociated). Under `actquant.llama_cpp_activations()`, x is first rounded the way llama.cpp rounds the
-  input of a matmul with this weight type, and where the backend can (backend.int_dot: Q4_0/Q4_1/Q8_0 on an AVX2 CPU)
-  the GEMV takes llama.cpp's integer block dot products instead of this float form. `dtype`: that of x and the
-  dequantized weight (default precision.matmul_dtype(), float32 unless the model asks for half); accumulation and the
-  result are float32 either way. The per-block form of
-  a format that has one (QuantType.affine) is for one row of x only: with several rows (a batched step) and with
+  is not reassociated). Where actquant says so ("llama.cpp" numerics, or "auto" for the formats below), x is first
+  rounded the way llama.cpp rounds the input of a matmul with this weight type, and where the backend can
+  (backend.int_dot: Q4_0/Q4_1/Q8_0 on an AVX2 CPU) the GEMV takes llama.cpp's integer block dot products instead of
+  this float form. `dtype`: that of x and the dequantized weight (default precision.matmul_dtype(), float32 unless the
+  model asks for half); accumulation and the result are float32 either way. The per-block form of a format that has one
+  (QuantType.affine) is for one row of x only: with several rows (a batched step) and with
   `affine=False` (moe's expert tiles, whose rows gather the same weight) each value is unpacked whole, so each row
   costs one multiply-add per value, where the affine sums cost a multiply and an add per row and value."""
   dtype, f32 = dtype or matmul_dtype(), dtypes.float32

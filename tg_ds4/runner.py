@@ -26,7 +26,7 @@ from math import prod
 import numpy as np
 from tinygrad import Context, Device, Tensor, UOp, dtypes
 
-from tg_ds4 import compat, quant, stepcache
+from tg_ds4 import actquant, compat, quant, stepcache
 from tg_ds4.arch import Model, load_model
 from tg_ds4.backend import prepare_device
 from tg_ds4.compat import Buffer, _to_np_dtype
@@ -125,10 +125,11 @@ class Runner:
 
   @staticmethod
   def load(path: str | pathlib.Path | GGUFFile, max_ctx: int | None = None, device: str | None = None,
-           llama_cpp_activations: bool = False, parallel: int = 1) -> Runner:
-    """Load a model for `max_ctx` positions (default: the file's context). `llama_cpp_activations` rounds
-    quantized-matmul inputs as llama.cpp's CPU backend does (see actquant.py): for token-exact comparisons with
-    llama.cpp; the default is exact float math. `parallel` > 1 keeps that many sequences' caches side by side (plus a
+           numerics: str = "auto", parallel: int = 1) -> Runner:
+    """Load a model for `max_ctx` positions (default: the file's context). `numerics` (actquant.py): "auto" takes
+    llama.cpp's rounding and integer dot products where the device runs them natively and exact float math elsewhere,
+    "exact" float math everywhere, "llama.cpp" its rounding of every quantized matmul's input (for token-exact
+    comparisons with llama.cpp). `parallel` > 1 keeps that many sequences' caches side by side (plus a
     scratch slot) for the batched steps (batch.Batcher)."""
     if not 1 <= parallel <= BATCHES[-1]: raise ValueError(f"parallel must be in [1, {BATCHES[-1]}], got {parallel}")
     gf = path if hasattr(path, "infos") else open_model(path)  # a GGUFFile or checkpoint.Checkpoint, or a path to either
@@ -138,9 +139,9 @@ class Runner:
     # tinygrad's pool of compile workers for them costs ~0.8 s, most of a warm start
     with Context(PARALLEL=0):
       quant.realize_tables(device)
-      model = load_model(gf, device, max_ctx, llama_cpp_activations, parallel + 1 if parallel > 1 else 1)
+      model = load_model(gf, device, max_ctx, numerics, parallel + 1 if parallel > 1 else 1)
     compat.release_freed_buffers(device)
-    settings = dict(max_ctx=model.max_ctx, llama_cpp_activations=llama_cpp_activations) | ({"slots": model.slots} if model.slots > 1 else {})
+    settings = dict(max_ctx=model.max_ctx, numerics=actquant.effective(numerics, device)) | ({"slots": model.slots} if model.slots > 1 else {})
     return Runner(model, stepcache.for_model(model, gf, device, **settings), device)
 
   # *** the captured steps

@@ -64,9 +64,16 @@ def absorb_gemm(device: str) -> bool:
   the CPU and NULL's generic renderer; GPU renderers keep the `[H, out, in]` copy their kernels were counted with."""
   return not Device[device].renderer.has_local and compat.kernel_opts_on()
 
+def int_dot_format(weight_type: str | None, device: str) -> bool:
+  """Whether `device` takes integer block dot products (backend/cpu/intdot.py) for `weight_type` weights (None: for
+  any type): Q4_0/Q4_1/Q8_0 on an AVX2 CPU (`TG_DS4_INT_DOT=0`: none). actquant's "auto" numerics round exactly these."""
+  if not on_cpu(device): return False
+  from tg_ds4.backend.cpu import intdot
+  return intdot.available(device) and (weight_type is None or weight_type in intdot.FORMATS)
+
 def int_dot(x: Tensor, w) -> Tensor | None:
   """`x @ w.T` with llama.cpp's integer block dot products (backend/cpu/intdot.py), or None where that path does not
-  apply: only under actquant.llama_cpp_activations(), for Q4_0/Q4_1/Q8_0 GEMVs on an AVX2 CPU (`TG_DS4_INT_DOT=0`: off)."""
+  apply: where actquant rounds this weight's input, for Q4_0/Q4_1/Q8_0 GEMVs on an AVX2 CPU (`TG_DS4_INT_DOT=0`: off)."""
   if not on_cpu(str(w.device)): return None
   from tg_ds4.backend.cpu import intdot
   return intdot.linear(x, w) if intdot.takes(w) and intdot.applies(x, w) else None
@@ -91,11 +98,11 @@ def prepare_device(device: str) -> None:
     from tg_ds4.backend.cpu import compiler  # a batched GEMV's accumulators vectorized per row (see compiler.py)
     compiler.add_flags(ren.compiler)
 
-def prepare_model(model, device: str, llama_cpp_activations: bool) -> None:
+def prepare_model(model, device: str, numerics: str) -> None:
   """After the weights are loaded: on the CPU, dense weights in formats its code handles slowly re-encoded with the same
-  values (widen.py; `TG_DS4_WIDEN=0` keeps the file's formats). Not under llama_cpp_activations, which rounds a matmul's
-  input by the file's weight format."""
-  if on_cpu(device) and os.environ.get("TG_DS4_WIDEN", "1") != "0" and not llama_cpp_activations:
+  values (widen.py; `TG_DS4_WIDEN=0` keeps the file's formats). Not under "llama.cpp" numerics, which round every
+  matmul's input by the file's weight format (a Q5_0 weight's input as a Q8_0 one's: "auto" rounds it once widened)."""
+  if on_cpu(device) and os.environ.get("TG_DS4_WIDEN", "1") != "0" and numerics != "llama.cpp":
     from tg_ds4.backend.cpu.widen import widen_for_cpu
     widen_for_cpu(model)
 

@@ -14,6 +14,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.routing import Route
 
+from tg_ds4 import actquant
 from tg_ds4.server import anthropic_api, openai_api
 from tg_ds4.server.body import BodyLimits, BodySlots
 from tg_ds4.server.connections import BACKLOG, RateLimited, connection_cap, limited_protocol
@@ -73,7 +74,7 @@ def parse_size(text: str) -> int:
   return int(float(t[:-1] if mult > 1 else t) * mult)
 
 def load(model: str, max_context: int | None, kv_cache_dir: str | None = None, kv_cache_size: int = 2 << 30, kv_cache_min_tokens: int = 256,
-         max_queue: int = 64, warmup: bool = True, quantize: str | None = None, parallel: int = 1, llama_cpp_rounding: bool = False) -> Served:
+         max_queue: int = 64, warmup: bool = True, quantize: str | None = None, parallel: int = 1, numerics: str = "auto") -> Served:
   """Tokenizer and template here; model and KV store on the worker's thread (see Worker), with `parallel` cache slots
   (requests generated together). Returns once the model is loaded (a bad file raises here); the warm-up compile runs
   on while the server already answers /health."""
@@ -89,8 +90,9 @@ def load(model: str, max_context: int | None, kv_cache_dir: str | None = None, k
   gf = open_model(path, quantize)
   tok, t0 = Tokenizer.from_gguf(gf), time.perf_counter()
   def load_runner():
-    runner = Runner.load(gf, max_ctx=max_context or default_context(gf), parallel=parallel, llama_cpp_activations=llama_cpp_rounding)
-    fp = model_fingerprint(path, runner.cache_layout(), gf.identity() if hasattr(gf, "identity") else None, llama_cpp_rounding)
+    runner = Runner.load(gf, max_ctx=max_context or default_context(gf), parallel=parallel, numerics=numerics)
+    fp = model_fingerprint(path, runner.cache_layout(), gf.identity() if hasattr(gf, "identity") else None,
+                           actquant.effective(numerics, runner.device))
     kv = KVStore(kv_cache_dir, fp, kv_cache_size, kv_cache_min_tokens) if kv_cache_dir else None
     return runner, kv
   worker = Worker(load_runner, max_queue, warmup=(tok.encode("Hello, world", add_special=True) or [0]) if warmup else None).start().wait_loaded()
@@ -110,7 +112,7 @@ def run(app: Starlette, host: str, port: int, head_timeout: float = 10.0, max_co
 def serve(args) -> int:
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   served = load(args.model, args.max_context, args.kv_cache_dir, parse_size(args.kv_cache_size), args.kv_cache_min_tokens, args.max_queue,
-                quantize=args.quantize, parallel=args.parallel, llama_cpp_rounding=args.llama_cpp_rounding)
+                quantize=args.quantize, parallel=args.parallel, numerics=args.numerics)
   body = BodyLimits(args.max_body_bytes, args.max_json_depth, args.body_timeout, args.max_parsing)
   app = build_app(served, body, Allowed(args.host, frozenset(h.lower() for h in args.allow_host), frozenset(o.lower() for o in args.allow_origin)))
   run(app, args.host, args.port, args.head_timeout, args.max_connections)

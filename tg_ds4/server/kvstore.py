@@ -28,14 +28,14 @@ TEMP = re.compile(r"\.([0-9a-f]{40})\.([0-9]{1,10})\.tmp")  # `_write`'s temp fi
 log = logging.getLogger("tg_ds4.server")
 
 def model_fingerprint(gguf_path: str | os.PathLike, layout: list[tuple[str, tuple[int, ...], str, int]], identity: str | None = None,
-                      llama_cpp_rounding: bool = False) -> str:
+                      numerics: str = "exact") -> str:
   """Identity of the weights and of the cache layout: the file's size, its first 4 MiB (header and metadata) and 16
   samples of 64 KiB spread over the tensor data, plus each cache tensor's name, dtype and row shape (not its row count:
   a different --max-context keeps the files valid). A checkpoint folder's weights are named by `identity` instead
-  (checkpoint.Checkpoint.identity). A cache computed with llama.cpp's activation rounding (serve --llama-cpp-rounding)
-  holds other values than one computed in exact float math: the two never restore each other's."""
+  (checkpoint.Checkpoint.identity). A cache computed under other numerics (actquant.py, as they work out on the
+  device: serve --numerics) holds other values: caches of different numerics never restore each other's."""
   h, path = hashlib.sha256(f"tg_ds4-kv-{FORMAT}".encode()), pathlib.Path(gguf_path)
-  if llama_cpp_rounding: h.update(b"llama-cpp-rounding")
+  if numerics != "exact": h.update(b"llama-cpp-rounding" if numerics == "llama.cpp" else f"numerics-{numerics}".encode())
   if identity is not None: h.update(identity.encode())
   else:
     size = path.stat().st_size

@@ -3,9 +3,9 @@ fp16 scale, actquant._q8_0; Q8_1 for Q4_1, with each block's sum), each weight b
 it taken by `vpmaddubsw`/`vpmaddwd`, scaled by the two block scales into eight float lanes, the lanes summed at the
 end. x is rounded by a kernel of its own (`_quantize`), once for all GEMVs that read it.
 
-Only under actquant.llama_cpp_activations(): this is llama.cpp's arithmetic, not tg_ds4's exact float GEMV (quant.linear),
-which the float form computes on rounded x at ~0.7x the speed (its per-value int-to-float convert and multiply-add bound
-it; `profiles/q4_0_gemv_forms.c`). tinygrad's C renderer has no integer-dot instruction, so the block dot is C with
+Only where actquant rounds the input ("auto" or "llama.cpp" numerics): this is llama.cpp's arithmetic, not the exact
+float GEMV (quant.linear), which the float form computes on rounded x at ~0.7x the speed (its per-value int-to-float
+convert and multiply-add bound it; `profiles/q4_0_gemv_forms.c`). tinygrad's C renderer has no integer-dot instruction, so the block dot is C with
 clang's x86 builtins, one kernel made with `Tensor.custom_kernel`: each output row's loop over its blocks is one
 `Ops.CUSTOM` statement inside the kernel's (threaded) range over output rows. Several rows of x (a batched step) share
 each unpacked weight block and keep their own accumulators, so a row's result does not depend on how many rows run
@@ -37,7 +37,7 @@ def available(device: str) -> bool:
 
 def takes(w) -> bool:
   """Whether a GEMV over `w` (packed, on its device) takes this path at all, whatever x: the format and the rounding."""
-  return getattr(getattr(w, "qtype", None), "name", None) in FORMATS and actquant.enabled() and available(str(w.device))
+  return (name := getattr(getattr(w, "qtype", None), "name", None)) in FORMATS and actquant.rounds(name, str(w.device)) and available(str(w.device))
 
 def applies(x: Tensor, w) -> bool:
   """For a `w` this path `takes`: whether `linear(x, w)` fits it: ungathered or gathered once on the leading axis, at
