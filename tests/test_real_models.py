@@ -8,9 +8,8 @@ window (a window one token too wide puts the engine rows 9.8e-4 off, against 4.0
 
 Against llama.cpp on the quantized file itself the bar "greedy ids equal except at < 1e-3 near ties" cannot be met by
 any exact engine: llama.cpp's 8-bit activation rounding makes its quantized run leave its own exact-math run at clear
-margins, which test_llama_cpp_quantized_run_is_not_exact shows from the fixtures. The exact checks load the models with
-`numerics="exact"`; the default numerics ("auto") round smollm2's inputs as llama.cpp does (every matrix Q4_1 or Q8_0,
-which the CPU takes integer dots for) and are held to llama.cpp's quantized run instead."""
+margins, which test_llama_cpp_quantized_run_is_not_exact shows from the fixtures. The models are loaded with
+`numerics="exact"`: the default numerics round Q4_1/Q8_0/Q5_0 matmul inputs as llama.cpp does (tg_ds4/actquant.py)."""
 import functools, json, pathlib
 
 import numpy as np
@@ -106,34 +105,6 @@ def test_greedy_matches_llama_cpp_on_same_weights(name):
       print(f"; resumed at {r['resumed_at']}: equal for {dr}/32", end="")
       assert r["resumed_at"] >= len(case["prompt_ids"]) - RESUME_BACK
       assert dr == len(ref["greedy_ids"]) or ref["top2_margin"][dr] <= 2 * gap
-
-INT_DOT_MODEL = "smollm2"  # every matrix Q4_1 or Q8_0: the default numerics are llama.cpp's throughout
-
-def test_default_numerics_follow_llama_cpps_quantized_run():
-  """smollm2 as a user runs it (default numerics, on a CPU with integer dots: llama.cpp's rounding and block dot
-  products): `generate`'s greedy ids equal llama.cpp's own run of the quantized file, which the exact numerics leave
-  at clear margins (test_llama_cpp_quantized_run_is_not_exact). As in test_reference's comparisons under the rounding,
-  a divergence is accepted only at a step where llama.cpp's top-2 margin is within what two summation orders of the
-  same rounded math already move here (our one-forward prompt logits against our per-token steps' over the longest
-  short prompt) or a near-tie (NEAR_TIE), and comparison stops there."""
-  import gguf
-  from family import NEAR_TIE
-  from tg_ds4 import backend
-  from tg_ds4.backend.cpu import intdot
-  if not backend.int_dot_format(None, "CPU"): pytest.skip("no integer dots on this CPU: the default numerics are exact here")
-  f, path = fixture(INT_DOT_MODEL), resolve(INT_DOT_MODEL)
-  assert {t.tensor_type.name for t in gguf.GGUFReader(path).tensors} - {"F32"} <= set(intdot.FORMATS)
-  runner = Runner.load(path, max_ctx=max(len(c["prompt_ids"]) for c in f["cases"]) + f["n_gen"])
-  ids = max(f["cases"][:-1], key=lambda c: len(c["prompt_ids"]))["prompt_ids"]
-  forward = runner.prefill(ids + [0] * (SHORT - len(ids)), chunk=SHORT).numpy()[0, :len(ids)]
-  noise = float(np.abs(forward - np.stack([runner.decode(t, i).numpy()[0, 0] for i, t in enumerate(ids)])).max())
-  for case in f["cases"]:
-    q, got = case["quantized"], list(runner.generate(case["prompt_ids"], f["n_gen"]))
-    d = first_divergence(got, q["greedy_ids"])
-    print(f"\n{INT_DOT_MODEL} {case['prompt']!r}: default numerics, greedy vs llama.cpp's quantized run "
-          + ("identical" if d == len(q["greedy_ids"]) else f"diverges at step {d} (its top-2 margin {q['top2_margin'][d]:.1e})")
-          + f"; our forward vs per-token steps {noise:.1e}", end="")
-    assert d == len(q["greedy_ids"]) or q["top2_margin"][d] <= max(NEAR_TIE, noise)
 
 def test_llama_cpp_quantized_run_is_not_exact():
   """The evidence behind the criterion above, from llama.cpp's own recorded runs: its quantized run leaves its
