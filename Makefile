@@ -8,13 +8,20 @@ MODEL ?= smollm2
 TEST_WORKERS ?= 2
 PROMPT ?= The three most important things to know about the ocean are
 
-.PHONY: run test lint install clean
+.PHONY: run test test-fast lint install clean
 run: $(STAMP)
 	$(BIN)/python -m tg_ds4 generate -m $(MODEL) -p "$(PROMPT)" -n 48
 
+# tests/conftest.py prints the suite's wall time and names every test over a minute: CI gives `make test` 90 minutes,
+# and it is kept within 20 on 2 cores
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
+# the inner loop (a few minutes): unit tests and one float32 reference of each family (tests/conftest.py FAST)
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --fast
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -3,11 +3,17 @@ subprocess it starts): the references, budgets and kernel heuristics here are th
 environment would otherwise turn the suite into a schedule-only run. TG_DS4_TEST_DEV names another device on purpose:
 on a machine with a GPU, `TG_DS4_TEST_DEV=CUDA TG_DS4_PRECISION=f32 pytest tests/test_reference.py ...` holds that
 device to the same references (profiles/gpu_check.sh); the CPU-only tests (kernel counts, the CPU replay) fail there."""
-import os, pathlib, sys
+import os, pathlib, sys, time
 
 import pytest
 
 os.environ["DEV"] = os.environ.get("TG_DS4_TEST_DEV", "CPU")  # before anything imports tinygrad
+# Every process of the suite (the pytest-xdist workers, the CLI and server subprocesses, the background jobs) lowers a
+# kernel that another one lowered already from the shared program cache (tg_ds4/backend/programs.py), and compiles in
+# its own process: pytest-xdist's two workers already fill the two cores, and tinygrad's one-process compile pool per
+# worker only added the pool's start-up and a new process every 16 kernels (~10% of a cold reference run).
+os.environ.setdefault("TG_DS4_PROGRAM_CACHE", "1")
+os.environ.setdefault("PARALLEL", "0")
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 # *** background jobs (background.py): tests marked `background(job)` read the result of a subprocess started when
@@ -50,3 +56,22 @@ def _module_jobs(request):
 def pytest_sessionfinish(session):
   import background
   background.stop_all()
+
+# *** the suite's time: a test over SLOW_TEST_S (setup, call and teardown together; under pytest-xdist the controller
+# sees every worker's reports) is named at the end of the run, so the suite's budget (`make test` <= 20 minutes on 2
+# cores) is defended one test at a time. A test that reads a shared computation first pays for all its readers.
+SLOW_TEST_S, SUITE_BUDGET_S = 60.0, 18 * 60.0
+_durations: dict[str, float] = {}
+_start = time.monotonic()
+
+def pytest_runtest_logreport(report):
+  _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+def pytest_terminal_summary(terminalreporter):
+  slow = sorted(((d, n) for n, d in _durations.items() if d > SLOW_TEST_S), reverse=True)
+  if slow:
+    terminalreporter.section(f"tests over {SLOW_TEST_S:.0f} s")
+    for d, n in slow: terminalreporter.line(f"WARNING slow test: {n} took {d:.0f} s")
+  wall = time.monotonic() - _start
+  terminalreporter.line(f"suite wall time {wall:.0f} s ({wall / 60:.1f} min; budget {SUITE_BUDGET_S / 60:.0f} min)"
+                        + (" -- OVER BUDGET" if wall > SUITE_BUDGET_S else ""))

@@ -78,6 +78,7 @@ def test_a_compile_pool_started_before_a_model_load_keeps_working():
   longer be pickled by name once ours replaced it: the pool's worker thread died and the next compile waited forever
   (seen as a hung suite). install() now shuts such a pool down."""
   r = subprocess.run([sys.executable, "-c", RECYCLE, str(DS3)], capture_output=True, text=True, timeout=120,
-                     env={**os.environ, "DEV": "CPU", "PARALLEL": "2", "BEAM_MAX_TASKS_PER_CHILD": "1", "TG_DS4_STEP_CACHE": "0"})
+                     env={**os.environ, "DEV": "CPU", "PARALLEL": "2", "BEAM_MAX_TASKS_PER_CHILD": "1", "TG_DS4_STEP_CACHE": "0",
+                          "TG_DS4_PROGRAM_CACHE": "0"})  # every kernel compiled here, in the pool
   assert r.returncode == 0 and r.stdout.strip().endswith("done"), r.stderr[-3000:]
   assert "PicklingError" not in r.stderr, r.stderr[-3000:]

@@ -38,8 +38,8 @@ def run(fam: str, q: str, twin: bool = False, numerics: str = "exact") -> dict:
   resumed at start_pos > 0 after a shorter first one."""
   man = manifest(fam)
   path, ids, n_gen = ROOT / fam / man["ggufs"][q]["file"], man["token_ids"], man["n_gen"]
-  load = lambda: dequantized_twin(file_formats(path)) if twin else \
-    Runner.load(path, max_ctx=64, numerics=numerics)
+  # the long case's context (run_long): one set of captured steps per file and numerics, shared through the step cache
+  load = lambda: dequantized_twin(file_formats(path)) if twin else Runner.load(path, max_ctx=LONG_CTX, numerics=numerics)
   prefill = load().prefill(ids, chunk=len(ids)).numpy()[0]
   m, steps, greedy = load(), [], []
   for i in range(len(ids) + n_gen):

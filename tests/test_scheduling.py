@@ -18,12 +18,15 @@ FIXTURES = ["deepseek2/ds2lite/ds2lite-Q4_0.gguf", "deepseek2/ds3/ds3-Q4_0.gguf"
 # realistic dims only, and the ternary file (its TQ1_0 base-3 unpack must stay in the GEMV too)
 BYTES_FILES = {"ds3k-Q4_K_M.gguf", "SmolLM2-135M-Instruct.Q4_1.gguf", "gemma-3-270m-q4_k_m.gguf", "bitnet-TQ1_0.gguf"}
 
-# run -> (budget backend, DEV, steps, files): decode on every file; for the GPUs every family (deepseek2's five,
-# deepseek4, DSA, gpt2, bitnet, gemma4, gemma3, qwen2); the prefill chunk (lowering ~70 s for all files) on one file of each block kind, the
-# V4 one the IQ2_XXS file, whose chunk has the most kernels
+# run -> (budget backend, DEV, steps, files): decode on every file for the CPU; for the GPU renderers every block kind
+# once (ds3: MLA dense and MoE; glm-dsa: all three DSA kinds; deepseek4's three; gpt2, bitnet, the two gemma4 files,
+# gemma3, qwen2), between them every packed format of the other files but IQ2_XXS (K-quants in gemma3 and qwen2,
+# TQ1_0 in bitnet); the prefill chunk on one file of each block kind, the V4 one the IQ2_XXS file, whose chunk has the
+# most kernels
 FILES = [str(ROOT / "tests" / "fixtures" / f) for f in FIXTURES]
 REAL = {m: str(resolve(m)) for m in ("smollm2", "gemma3-270m", "qwen2.5-coder-0.5b")}
-GPU_FILES = [f for f in FILES if not f.endswith("flash-IQ2_XXS.gguf")] + [REAL["gemma3-270m"], REAL["qwen2.5-coder-0.5b"]]
+GPU_FILES = [f for f in FILES if f.endswith(("ds3-Q4_0.gguf", "flash-MXFP4.gguf", "gpt2-Q8_0.gguf", "bitnet-TQ1_0.gguf", "gemma4-ple-Q8_0.gguf",
+                                             "gemma4-plain-F32.gguf", "glmdsa-Q8_0.gguf"))] + [REAL["gemma3-270m"], REAL["qwen2.5-coder-0.5b"]]
 PREFILL_FILES = [f for f in FILES if f.endswith(("ds3-Q4_0.gguf", "flash-IQ2_XXS.gguf", "gpt2-Q8_0.gguf", "bitnet-TQ1_0.gguf", "gemma4-ple-Q8_0.gguf",
                                                  "gemma4-plain-F32.gguf", "ds32-Q8_0.gguf", "glmdsa-Q8_0.gguf"))] + \
   [REAL["smollm2"], REAL["gemma3-270m"]]

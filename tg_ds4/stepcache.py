@@ -38,6 +38,9 @@ MAX_CONST_BYTES = 16 << 20  # capture-time constants an entry may carry: more me
 _UNKEYED = {"DEBUG", "VIZ", "PROFILE", "PARALLEL", "TRACK_MATCH_STATS", "CAPTURE_PROCESS_REPLAY", "CAPTURING", "NO_COLOR", "CCACHE",
             "ALLOW_DEVICE_USAGE", "TRACEMETA", "CACHELEVEL", "IGNORE_BEAM_CACHE", "LRU", "DEBUG_RANGEIFY"}
 
+# knobs that change no lowered program: where the caches live, how large they grow, whether kernels are shared
+UNKEYED_KNOBS = {"TG_DS4_CACHE", "TG_DS4_STEP_CACHE_SIZE", "TG_DS4_PROGRAM_CACHE", "TG_DS4_PROGRAM_CACHE_SIZE"}
+
 def enabled() -> bool: return os.environ.get("TG_DS4_STEP_CACHE", "1") != "0"
 
 def directory() -> pathlib.Path: return cache_dir() / "steps"
@@ -65,7 +68,7 @@ def _environment(device: str) -> dict:
   return {"device": device, "renderer": f"{type(ren).__module__}.{type(ren).__name__}", "arch": str(getattr(ren, "arch", "")),
           "global_max": list(ren.global_max or ()), "cpu": _cpu(), "tinygrad": getattr(tinygrad, "__version__", "?"), "tg_ds4": _source_hash(),
           "tinygrad_settings": sorted((k, repr(v.value)) for k, v in ContextVar._cache.items() if k not in _UNKEYED),
-          "knobs": sorted((k, v) for k, v in os.environ.items() if k.startswith("TG_DS4_") and k not in ("TG_DS4_CACHE", "TG_DS4_STEP_CACHE_SIZE"))}
+          "knobs": sorted((k, v) for k, v in os.environ.items() if k.startswith("TG_DS4_") and k not in UNKEYED_KNOBS)}
 
 def file_identity(gf) -> str:
   """A GGUF model (every split part): sizes and everything before the tensor data (header, metadata, tensor table), not

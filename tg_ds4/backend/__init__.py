@@ -10,6 +10,7 @@ import os
 from tinygrad import Device, Tensor
 
 from tg_ds4 import compat
+from tg_ds4.backend import programs
 from tg_ds4.compat import CapturedJit
 
 def on_cpu(device: str | None) -> bool: return (device or Device.DEFAULT).split(":")[0] == "CPU"
@@ -89,6 +90,7 @@ def prepare_device(device: str) -> None:
   """Before anything is lowered for `device`: our kernel heuristic (backend/cpu/kernel_opts.py on CPU renderers, the
   CPU device or NULL lowering for it; backend/gpu/kernel_opts.py's packed GEMVs on GPU renderers) and, where clang
   compiles the kernels, its vectorizer's cap (backend/cpu/compiler.py), unless compat.py says they stay off."""
+  programs.install()  # kernels lowered by other processes (TG_DS4_PROGRAM_CACHE=1)
   ren = Device[device].renderer
   cpu, gpu = getattr(ren, "has_threads", False), ren.has_local and ren.has_shared  # (NULL's generic renderer is neither)
   if (cpu or gpu) and compat.kernel_opts_on():

@@ -279,6 +279,7 @@ def _reduce_terms_last(x: UOp) -> UOp | None:
   return functools.reduce(lambda a, b: a + b, order)
 
 _ADDRESSES = PatternMatcher([(UPat(Ops.ADD, name="x"), _reduce_terms_last)])
+CLANG_EXTRA = _clang_extra + _ADDRESSES  # one object, so that backend/programs.py can tell it is ours
 
 def _memory_coalescing(sink: UOp, ren) -> UOp:
   out = _tinygrad_coalescing(sink, ren)
@@ -295,4 +296,4 @@ def install():
   compiler.install()
   codegen.memory_coalescing = _memory_coalescing
   worker._init_worker = _init_worker
-  ClangRenderer.extra_matcher = _clang_extra + _ADDRESSES
+  ClangRenderer.extra_matcher = CLANG_EXTRA
