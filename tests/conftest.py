@@ -29,7 +29,26 @@ def pytest_configure(config):
 SLOW_MODULES = ("test_real_models", "test_dsa", "test_ds4", "test_bench", "test_cli", "test_bitnet", "test_batch", "test_reference",
                 "test_checkpoint", "test_gemma4", "test_probe", "test_kernel_opts", "test_server", "test_stepcache")
 
+# *** `make test-fast` (pytest --fast): the inner loop, a few minutes on 2 cores. Whole modules of unit tests, and each
+# family's float32 reference against transformers on one fixture. `make test` (CI) runs everything.
+FAST_MODULES = {"test_chat", "test_compat", "test_ds4_chat", "test_gguf", "test_gguf_fuzz", "test_intdot", "test_kvstore", "test_moe",
+                "test_quant", "test_sampling", "test_serve_limits", "test_tokenizer", "test_toolcalls"}
+FAST_TESTS = {"test_reference.py::test_f32_matches_transformers[ds3-F32]", "test_ds4.py::test_prefill_matches_transformers",
+              "test_dsa.py::test_dsa_matches_transformers[ds32]", "test_gpt2.py::test_gpt2_matches_transformers[F32]",
+              "test_qwen3.py::test_qwen3_matches_transformers[F32]", "test_bitnet.py::test_bitnet_matches_transformers[F32]",
+              "test_gemma4.py::test_gemma4_matches_transformers[plain-F32]", "test_checkpoint.py::test_logits_and_greedy_match_transformers[llama]"}
+
+def pytest_addoption(parser):
+  parser.addoption("--fast", action="store_true", help="the inner loop: unit tests and one float32 reference per family (tests/conftest.py)")
+
+def _fast(item) -> bool:
+  return item.module.__name__.rsplit(".", 1)[-1] in FAST_MODULES or item.nodeid.removeprefix("tests/") in FAST_TESTS
+
 def pytest_collection_modifyitems(session, config, items):
+  if config.getoption("--fast"):
+    config.hook.pytest_deselected(items=[i for i in items if not _fast(i)])
+    items[:] = [i for i in items if _fast(i)]
+    assert len({i.nodeid.removeprefix("tests/") for i in items} & FAST_TESTS) == len(FAST_TESTS), "a FAST_TESTS entry names no test"
   bg = [i for i in items if i.get_closest_marker("background")]
   if not os.environ.get("PYTEST_XDIST_WORKER"):
     items[:] = [i for i in items if not i.get_closest_marker("background")] + bg

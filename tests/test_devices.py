@@ -155,7 +155,7 @@ def test_deepseek4_fixture_decodes_on_the_emulated_gpu_in_half():
   # Past position 34 the indexer keeps 8 of more than 8 compressed rows, and half rounding upstream of its (float32)
   # scores can flip a near-tie: on the CPU with TG_DS4_PRECISION=f16, prefill's one token above 1.7e-3 (267: 1.9e-2) is
   # the one whose top-8 differs from float32's; decode over the prompt: 11 tokens from 148 on above 5e-3 (max 8.3e-2,
-  # greedy picks all equal), on an H200 max 4.0e-2 with a greedy pick that differed (session 31). Before that a token's
+  # greedy picks all equal), on an H200 max 4.0e-2 with a greedy pick that differed. Before that a token's
   # attention is the same rows in any precision: there the bound and every pick hold; past it a pick may differ only
   # where transformers' own top-2 margin is within twice our deviation.
   assert max(rel[:INDEXER_CHOOSES]) <= 5e-3 and not [i for i in picks if i < INDEXER_CHOOSES], (rel, picks)

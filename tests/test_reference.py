@@ -31,31 +31,33 @@ def rel(a, b) -> float: return float(np.abs(a - b).max() / np.abs(b).max())
 
 @functools.cache
 def run(fam: str, q: str, twin: bool = False, numerics: str = "exact") -> dict:
-  """Everything the tests compare, computed once per file: prefill logits over the prompt; decode-mode logits over
-  the prompt (one token at a time through the TinyJit step) continued greedily for n_gen tokens; and the production
-  path: `engine_logits` over the prompt and the reference's continuation (the first ENGINE_K tokens through a padded
-  captured prefill chunk, the rest through the greedy per-token step), `generate`'s greedy ids, and a second turn
-  resumed at start_pos > 0 after a shorter first one."""
+  """Everything the tests compare, computed once per file and numerics on one runner: prefill logits over the prompt
+  (one forward; all a dequantized twin is asked for); step logits over the prompt, one token at a time through the
+  captured per-token step generation runs, continued greedily for n_gen tokens; and the production path:
+  `engine_logits` over the prompt and the reference's continuation (the first ENGINE_K tokens through a padded
+  captured prefill chunk, the rest through the same per-token step), `generate`'s greedy ids, and a second turn resumed
+  at start_pos > 0 after a shorter first one. (Runner.decode's own step is held to transformers by test_ds4, test_dsa
+  and the PYTHON-device jobs.)"""
   man = manifest(fam)
   path, ids, n_gen = ROOT / fam / man["ggufs"][q]["file"], man["token_ids"], man["n_gen"]
   # the long case's context (run_long): one set of captured steps per file and numerics, shared through the step cache
-  load = lambda: dequantized_twin(file_formats(path)) if twin else Runner.load(path, max_ctx=LONG_CTX, numerics=numerics)
-  prefill = load().prefill(ids, chunk=len(ids)).numpy()[0]
-  m, steps, greedy = load(), [], []
-  for i in range(len(ids) + n_gen):
+  m = dequantized_twin(file_formats(path)) if twin else Runner.load(path, max_ctx=LONG_CTX, numerics=numerics)
+  out = {"prefill": m.prefill(ids, chunk=len(ids)).numpy()[0]}
+  if twin: return out
+  steps, greedy = [], []
+  for i in range(len(ids) + n_gen - 1):
     tok = ids[i] if i < len(ids) else greedy[-1]
-    steps.append(m.decode(tok, i).numpy()[0, 0])
-    if i >= len(ids) - 1 and len(greedy) < n_gen: greedy.append(int(steps[-1].argmax()))
-  out = {"prefill": prefill, "decode": np.stack(steps[:len(ids)]), "greedy": greedy, "gen_logits": np.stack(steps[len(ids) - 1:-1])}
-  if twin or numerics != "exact": return out
+    steps.append(m._per_token(tok, i, True, (), None)[1].numpy()[0])
+    if i >= len(ids) - 1: greedy.append(int(steps[-1].argmax()))
+  out.update(decode=np.stack(steps[:len(ids)]), greedy=greedy)
+  if numerics != "exact": return out
   g = man["ggufs"][q]
   ref_ids = man["hf_greedy_ids"] if q == "F32" else g["hf_greedy_ids"]
-  e = load()
-  out["engine"] = e.engine_logits(ids + ref_ids[:-1], prefill_tokens=ENGINE_K)  # rows ENGINE_K-1 .. len(ids)+n_gen-2
-  out["engine_greedy"] = list(e.generate(ids, n_gen))
-  list(e.generate(ids[:RESUME_AT], 3))  # a first, shorter turn, then the full prompt resumed past the common prefix
-  start = e.reusable(ids)
-  out["resumed_greedy"], out["resumed_at"] = list(e.generate(ids, n_gen, start_pos=start)), start
+  out["engine"] = m.engine_logits(ids + ref_ids[:-1], prefill_tokens=ENGINE_K)  # rows ENGINE_K-1 .. len(ids)+n_gen-2
+  out["engine_greedy"] = list(m.generate(ids, n_gen))
+  list(m.generate(ids[:RESUME_AT], 3))  # a first, shorter turn, then the full prompt resumed past the common prefix
+  start = m.reusable(ids)
+  out["resumed_greedy"], out["resumed_at"] = list(m.generate(ids, n_gen, start_pos=start)), start
   return out
 
 ENGINE_K, RESUME_AT = 20, 14  # a 32-token chunk padded past 20 tokens; the resumed tail of 18 tokens is a padded chunk too

@@ -9,7 +9,7 @@ are used only when a model is loaded for the CPU, and only on the release below:
 be imported, both stay off (one warning) and the stock tinygrad path runs, slower on the CPU, never wrong.
 `TG_DS4_KERNEL_OPTS=0` and `TG_DS4_FAST_REPLAY=0` turn each off by hand. Nothing here patches anything:
 backend.prepare_device does, when a model is loaded for a CPU renderer, never on import."""
-import functools, importlib.metadata, logging, os
+import contextlib, functools, importlib.metadata, logging, os, sqlite3, threading
 
 # graph and buffer internals, for every device
 from tinygrad.device import Buffer, BufferSpec, Compiler  # noqa: F401
@@ -24,6 +24,7 @@ from tinygrad.uop.ops import AxisType, KernelInfo, Ops, PatternMatcher, UOp, UPa
 # the CPU machinery's (backend/cpu), used only when internals_match()
 try:
   import tinygrad.codegen as codegen  # noqa: F401
+  from tinygrad import helpers as tinygrad_helpers  # noqa: F401  (its compile cache's database connection)
   from tinygrad.codegen.opt import KernelOptError, Opt, OptOps, heuristic  # noqa: F401
   from tinygrad.codegen.opt.postrange import Scheduler  # noqa: F401
   from tinygrad.engine import worker  # noqa: F401
@@ -49,6 +50,23 @@ def internals_match() -> bool:
   return False
 
 def kernel_opts_on() -> bool: return os.environ.get("TG_DS4_KERNEL_OPTS", "1") != "0" and internals_match()
+
+def per_thread_compile_cache() -> None:
+  """tinygrad opens its compile cache's sqlite database once a process and sqlite refuses a connection's use from
+  another thread: a kernel compiled in serve's worker thread (one new kernel, or every kernel under PARALLEL=0) failed
+  the request with ProgrammingError once the main thread had opened it. One connection a thread, opened the way tinygrad
+  opens its own. Idempotent; nothing on another release."""
+  if not internals_match() or getattr(tinygrad_helpers.db_connection, "per_thread", False): return
+  local = threading.local()
+  def db_connection():
+    if (conn := getattr(local, "conn", None)) is None:
+      os.makedirs(os.path.dirname(tinygrad_helpers.CACHEDB), exist_ok=True)
+      conn = local.conn = sqlite3.connect(tinygrad_helpers.CACHEDB, timeout=60, isolation_level="IMMEDIATE")
+      with contextlib.suppress(sqlite3.OperationalError): conn.execute("PRAGMA journal_mode=WAL").fetchone()
+      conn.execute("PRAGMA synchronous=NORMAL")
+    return conn
+  db_connection.per_thread = True
+  tinygrad_helpers.db_connection = db_connection
 
 def release_freed_buffers(device: str) -> None:
   """Hand the buffers freed so far back to the system: tinygrad's allocator keeps freed buffers for reuse by size, and a

@@ -91,6 +91,7 @@ def prepare_device(device: str) -> None:
   CPU device or NULL lowering for it; backend/gpu/kernel_opts.py's packed GEMVs on GPU renderers) and, where clang
   compiles the kernels, its vectorizer's cap (backend/cpu/compiler.py), unless compat.py says they stay off."""
   programs.install()  # kernels lowered by other processes (TG_DS4_PROGRAM_CACHE=1)
+  compat.per_thread_compile_cache()  # serve compiles in its worker thread
   ren = Device[device].renderer
   cpu, gpu = getattr(ren, "has_threads", False), ren.has_local and ren.has_shared  # (NULL's generic renderer is neither)
   if (cpu or gpu) and compat.kernel_opts_on():

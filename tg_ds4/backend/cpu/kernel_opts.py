@@ -62,7 +62,7 @@ class VectorUnit:
   def panel(self) -> int:
     """Outputs per panel of a prefill GEMM's unpacked weight (quant.panel_gemm): a GEMM iteration's outputs, or on AVX2
     one ymm of them, two panels an iteration (16-float panels slowed the transposing unpack, and changed how the
-    chunk's MLA query concatenation, which reads a panel GEMM's output, is split; see the README, session 39)."""
+    chunk's MLA query concatenation, which reads a panel GEMM's output, is split)."""
     return 8 if self.floats == 8 and self.registers < 32 else self.gemm[1]
 
 AVX512, AVX2, NEON, SSE = VectorUnit("avx512", 32, 8), VectorUnit("avx2", 16, 8), VectorUnit("neon", 32, 4), VectorUnit("sse", 16, 4)
