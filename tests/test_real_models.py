@@ -33,7 +33,7 @@ def cases(name: str) -> list[dict]:
   test_reference's long cases."""
   return fixture(name)["cases"] if name == LONG_CASE_MODEL else fixture(name)["cases"][:-1]
 
-SHORT = 16  # the short prompts' padded length in exact mode
+SHORT = 32  # the short prompts' padded length in exact mode: the engine's smallest prefill chunk, whose kernels it shares
 RESUME_BACK = 40  # the long case's second turn: the first turn held all but this many prompt tokens (a padded chunk)
 
 @functools.cache
