@@ -36,8 +36,8 @@ def run(fam: str, q: str, twin: bool = False, numerics: str = "exact") -> dict:
   captured per-token step generation runs, continued greedily for n_gen tokens; and the production path:
   `engine_logits` over the prompt and the reference's continuation (the first ENGINE_K tokens through a padded
   captured prefill chunk, the rest through the same per-token step), `generate`'s greedy ids, and a second turn resumed
-  at start_pos > 0 after a shorter first one. (Runner.decode's own step is held to transformers by test_ds4, test_dsa
-  and the PYTHON-device jobs.)"""
+  at start_pos > 0 after a shorter first one. (Runner.decode's own step, the `logits` command's, is held to
+  transformers by test_ds4 and the PYTHON-device jobs, and to prefill by test_model.)"""
   man = manifest(fam)
   path, ids, n_gen = ROOT / fam / man["ggufs"][q]["file"], man["token_ids"], man["n_gen"]
   # the long case's context (run_long): one set of captured steps per file and numerics, shared through the step cache
