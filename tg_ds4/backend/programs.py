@@ -18,7 +18,7 @@ one that fails its checksum or does not unpickle is lowered again. Least recentl
 `TG_DS4_PROGRAM_CACHE_SIZE` bytes (default 2 GiB)."""
 from __future__ import annotations
 
-import contextlib, hashlib, importlib.metadata, logging, os, pathlib, pickle
+import contextlib, hashlib, importlib.metadata, logging, os, pathlib, pickle, time
 
 from tg_ds4 import compat
 from tg_ds4.registry import cache_dir
@@ -37,7 +37,7 @@ if compat.internals_match():
   from tg_ds4.backend.gpu import kernel_opts as gpu_kernel_opts
   _MODULES = (kernel_opts, compiler, gpu_kernel_opts)
   # what the heuristic's modules hold at import, before any test can replace a part of them
-  _PRISTINE = {(m.__name__, k): id(v) for m in _MODULES for k, v in vars(m).items()}
+  _PRISTINE = {(m, k): id(v) for m in _MODULES for k, v in vars(m).items()}
 _lower_and_compile = None  # tinygrad's own, while ours is installed
 
 def install() -> None:
@@ -50,7 +50,7 @@ def install() -> None:
 def _hooks() -> tuple[str, ...] | None:
   """Which lowering hooks are in place (each tinygrad's or ours), or None if something else replaced one or any part of
   the heuristic's modules changed since import."""
-  if any(id(vars(m).get(k)) != v for (name, k), v in _PRISTINE.items() for m in _MODULES if m.__name__ == name): return None
+  if any(id(vars(m).get(k)) != v for (m, k), v in _PRISTINE.items()): return None
   state = []
   for now, stock, ours in ((compat.heuristic.hand_coded_optimizations, kernel_opts._hand_coded, kernel_opts.cpu_heuristic),
                            (compat.codegen.memory_coalescing, kernel_opts._tinygrad_coalescing, kernel_opts._memory_coalescing),
@@ -113,9 +113,13 @@ def _cached_lower_and_compile(linear):
   return out
 
 def _evict(d: pathlib.Path, cap: int) -> None:
-  """Least recently used entries (and stray temp files) deleted down to `cap` bytes: once a process, at install."""
+  """Least recently used entries deleted down to `cap` bytes, and temp files a killed process left (an hour old): once a
+  process, at install."""
   files = []
-  for p in [*d.glob("*" + SUFFIX), *d.glob(".*.tmp")]:
+  for p in d.glob(".*.tmp"):
+    with contextlib.suppress(OSError):
+      if p.lstat().st_mtime < time.time() - 3600: p.unlink()
+  for p in d.glob("*" + SUFFIX):
     with contextlib.suppress(OSError): st = p.lstat(); files.append((st.st_mtime, p, st.st_size))
   total = sum(s for _, _, s in files)
   for _, p, s in sorted(files):
