@@ -61,7 +61,7 @@ def _hooks() -> tuple[str, ...] | None:
   return tuple(state)
 
 def _environment() -> bytes | None:
-  from tg_ds4 import stepcache
+  from tg_ds4 import stepcache  # here, not at the top: stepcache imports the model layers, which import this package
   if (hooks := _hooks()) is None: return None
   return repr((importlib.metadata.version("tinygrad"), stepcache._source_hash(), stepcache._cpu(), hooks,
                sorted((k, repr(v.value)) for k, v in compat.ContextVar._cache.items() if k not in stepcache._UNKEYED),
