@@ -16,15 +16,19 @@ run: $(STAMP)
 # and it is kept within 20 on 2 cores
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # the inner loop (a few minutes): unit tests and one float32 reference of each family (tests/conftest.py FAST)
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --fast
 
+# ruff, and the package's layers (pyproject.toml [tool.importlinter])
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 install: $(STAMP)
 

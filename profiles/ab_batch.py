@@ -6,8 +6,8 @@ drift, which two `bench --parallel` runs minutes apart do not (±15% each). The 
 variables, so a knob with that prefix gets its own captured step."""
 import os, statistics, sys, time
 
-from tg_ds4.registry import resolve
-from tg_ds4.runner import Runner
+from tg_ds4.io.registry import resolve
+from tg_ds4.runtime.runner import Runner
 
 
 def main(path: str, B: int, knob: str, steps: int = 30) -> None:

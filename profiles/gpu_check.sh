@@ -44,7 +44,7 @@ export TG_DS4_TEST_DEV=$GPU
 on jobs && step decode_jobs ${JOBS_S:-110} env TG_DS4_GPU=$GPU python3 -m pytest -q -s -p no:cacheprovider --durations=5 tests/test_devices.py -k decodes
 unset TG_DS4_TEST_DEV
 export DEV=$GPU
-BENCHES=$(python3 -c "import sys; sys.path.insert(0, '.'); from tg_ds4.registry import cache_dir; print(cache_dir() / 'bench')")
+BENCHES=$(python3 -c "import sys; sys.path.insert(0, '.'); from tg_ds4.backend.cache import cache_dir; print(cache_dir() / 'bench')")
 if on v2lite; then
   step make_bench ${MAKE_S:-60} python3 profiles/make_bench_model.py v2lite
   BENCH=$BENCHES/v2lite-4L-Q4_0.gguf

@@ -8,8 +8,8 @@ import resource, sys, time
 
 from tinygrad import Device, dtypes
 
-from tg_ds4.gguf import GGUFFile
-from tg_ds4.registry import resolve
+from tg_ds4.io.gguf import GGUFFile
+from tg_ds4.io.registry import resolve
 
 def main(name: str) -> None:
   t0 = time.perf_counter()

@@ -36,7 +36,7 @@ from gguf import GGMLQuantizationType as G
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from tg_ds4.registry import cache_dir  # noqa: E402
+from tg_ds4.backend.cache import cache_dir  # noqa: E402
 
 TOKENIZER_SOURCE = REPO / "tests/fixtures/deepseek2/ds2lite/ds2lite-Q4_0.gguf"
 V4_TEMPLATE = REPO / "tests/fixtures/deepseek4/flash/flash-IQ2_XXS.gguf"

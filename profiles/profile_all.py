@@ -8,7 +8,7 @@ affect the next. Timings depend on what else the machine is doing: run it on an 
 import json, pathlib, subprocess, sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from tg_ds4.registry import cache_dir  # noqa: E402
+from tg_ds4.backend.cache import cache_dir  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures"

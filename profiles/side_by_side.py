@@ -8,8 +8,8 @@ import statistics, sys, time
 
 import numpy as np
 
-from tg_ds4.runner import Runner
-from tg_ds4.registry import resolve
+from tg_ds4.io.registry import resolve
+from tg_ds4.runtime.runner import Runner
 
 def main(name: str) -> None:
   from llama_cpp import Llama

@@ -1,4 +1,4 @@
-"""Encode/decode throughput of tg_ds4.tokenizer on English text (a benchmark, not a test).
+"""Encode/decode throughput of tg_ds4.text.tokenizer on English text (a benchmark, not a test).
 
   python profiles/tokenizer_speed.py smollm2                       # registry name, or a .gguf path
   python profiles/tokenizer_speed.py qwen2.5-coder-0.5b --text FILE --backend python
@@ -14,9 +14,9 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from tg_ds4 import registry  # noqa: E402
-from tg_ds4.gguf import GGUFFile  # noqa: E402
-from tg_ds4.tokenizer import Tokenizer  # noqa: E402
+from tg_ds4.io import registry  # noqa: E402
+from tg_ds4.io.gguf import GGUFFile  # noqa: E402
+from tg_ds4.text.tokenizer import Tokenizer  # noqa: E402
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

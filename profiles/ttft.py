@@ -49,9 +49,9 @@ def main():
   ap.add_argument("model", nargs="?", default="qwen2.5-coder-0.5b")
   ap.add_argument("--tokens", type=int, default=1000)
   args = ap.parse_args()
-  from tg_ds4.gguf import GGUFFile
-  from tg_ds4.registry import resolve
-  from tg_ds4.tokenizer import Tokenizer
+  from tg_ds4.io.gguf import GGUFFile
+  from tg_ds4.io.registry import resolve
+  from tg_ds4.text.tokenizer import Tokenizer
   path = resolve(args.model)
   gf = GGUFFile(path)
   tok, model_id = Tokenizer.from_gguf(gf), str(gf.get("general.name") or pathlib.Path(path).stem)

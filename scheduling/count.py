@@ -8,7 +8,7 @@ PyPI wheel), NULL:METAL (rendered; a stand-in compiler off macOS), NULL::gfx1100
 (WebGPU). compat.lowering_target prepares the GPU ones; scheduling/budgets.toml holds the budgets per backend."""
 import argparse, json, os, sys
 
-from tg_ds4 import compat
+from tg_ds4.backend import compat
 
 BACKENDS = {"CPU": "CPU", "NULL": "NULL", "NULL:CUDA:sm_90": "CUDA", "NULL:METAL": "METAL", "NULL::gfx1100": "AMD",
             "NULL:OPENCL": "OPENCL", "NULL:WGSL": "WEBGPU"}
@@ -17,13 +17,13 @@ compat.lowering_target(DEV)  # before tinygrad opens the device
 
 from tinygrad import Context, Device, GlobalCounters, Tensor, UOp, dtypes  # noqa: E402
 
-from tg_ds4.arch import Model  # noqa: E402
-from tg_ds4.compat import PARALLEL  # noqa: E402
-from tg_ds4.ds4 import DS4Transformer  # noqa: E402
-from tg_ds4.layers import packed_weights  # noqa: E402
-from tg_ds4.quant import QTensor  # noqa: E402
-from tg_ds4.runner import Runner  # noqa: E402
-from tg_ds4.sampling import greedy  # noqa: E402
+from tg_ds4.backend.compat import PARALLEL  # noqa: E402
+from tg_ds4.models.deepseek4 import DS4Transformer  # noqa: E402
+from tg_ds4.models.families import Model  # noqa: E402
+from tg_ds4.nn.layers import packed_weights  # noqa: E402
+from tg_ds4.quant.formats import QTensor  # noqa: E402
+from tg_ds4.runtime.runner import Runner  # noqa: E402
+from tg_ds4.runtime.sampling import greedy  # noqa: E402
 
 def _packed_bytes(obj) -> int:
   """Packed bytes of every weight below a block (what one decode step must read at least once)."""

@@ -7,9 +7,9 @@ import gguf
 import numpy as np
 from tinygrad import Tensor
 
-from tg_ds4.layers import packed_weights
-from tg_ds4.model import Transformer
-from tg_ds4.runner import Runner
+from tg_ds4.models.transformer import Transformer
+from tg_ds4.nn.layers import packed_weights
+from tg_ds4.runtime.runner import Runner
 
 def rel(a, b) -> float: return float(np.abs(a - b).max() / np.abs(b).max())
 
@@ -48,7 +48,7 @@ def dequantized_twin(m: Transformer) -> Transformer:
   return m
 
 def file_formats(path, max_ctx: int = 64) -> Transformer:
-  """The model with the file's own packed formats (no CPU widening, `backend/cpu/widen.py`), for gguf-py to dequantize."""
+  """The model with the file's own packed formats (no CPU widening, `models/widen.py`), for gguf-py to dequantize."""
   old = os.environ.get("TG_DS4_WIDEN")
   os.environ["TG_DS4_WIDEN"] = "0"
   try: return Runner.load(path, max_ctx=max_ctx, numerics="exact")

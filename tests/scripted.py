@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import argparse, logging, pathlib, sys, time
 
-from tg_ds4.chat import Template
-from tg_ds4.runner import Step
-from tg_ds4.sampling import SamplingParams
+from tg_ds4.runtime.runner import Step
+from tg_ds4.runtime.sampling import SamplingParams
 from tg_ds4.server.app import build_app, run
 from tg_ds4.server.body import BodyLimits
 from tg_ds4.server.guard import Allowed
 from tg_ds4.server.served import Served
 from tg_ds4.server.worker import Worker
+from tg_ds4.text.chat_template import Template
 
 VOCAB = pathlib.Path(__file__).resolve().parent / "fixtures/deepseek2/ds3/ds3-Q8_0.gguf"
 MODEL_ID = "tiny-chat"
@@ -43,8 +43,8 @@ def scripted_served(tok, script: list[int], template: str = TEMPLATE, start=True
   return Served(MODEL_ID, frozenset({MODEL_ID}), tok, Template(template), 512, worker)
 
 if __name__ == "__main__":
-  from tg_ds4.gguf import GGUFFile
-  from tg_ds4.tokenizer import Tokenizer
+  from tg_ds4.io.gguf import GGUFFile
+  from tg_ds4.text.tokenizer import Tokenizer
   a = argparse.ArgumentParser()
   a.add_argument("--port", type=int, required=True)
   a.add_argument("--host", default="127.0.0.1")

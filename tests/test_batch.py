@@ -1,4 +1,4 @@
-"""Batched generation (batch.Batcher over rows.py's cache slots): every answer equals the same request run alone on a
+"""Batched generation (batch.Batcher over nn/cache_rows.py's cache slots): every answer equals the same request run alone on a
 runner with one sequence (runner.Runner.steps): greedy and seeded sampling token for token, logprobs within 1e-5.
 
 16 clients x 4 requests on the MoE MLA fixture: clients arrive in waves while others are mid-answer, so slots join and
@@ -7,18 +7,18 @@ and a client's later requests extend its earlier prompt (a free slot holding tha
 
 The runners compute exact float math (`numerics="exact"`): a batched step's float kernels (norms, attention, the
 router) take other shapes than one row's, so they may sum in another order, ~1e-7 apart; under the default numerics'
-8-bit rounding of Q4_0 matmul inputs (actquant.py) such a difference can move one rounding, and the same request's
+8-bit rounding of Q4_0 matmul inputs (quant/activations.py) such a difference can move one rounding, and the same request's
 logprobs then differ by a few hundredths batched and alone (measured 0.013-0.026 here, tokens still equal), as
 llama.cpp's own do. The integer dot products themselves give each row what it gets alone (test_intdot)."""
 import pathlib, random
 
 import pytest
 
-from tg_ds4.arch import config_of
-from tg_ds4.batch import Batcher, Request
-from tg_ds4.gguf import GGUFFile
-from tg_ds4.runner import Runner
-from tg_ds4.sampling import SamplingParams
+from tg_ds4.io.gguf import GGUFFile
+from tg_ds4.models.families import config_of
+from tg_ds4.runtime.batcher import Batcher, Request
+from tg_ds4.runtime.runner import Runner
+from tg_ds4.runtime.sampling import SamplingParams
 
 DS3 = pathlib.Path(__file__).parent / "fixtures" / "deepseek2" / "ds3" / "ds3-Q4_0.gguf"
 CTX, PARALLEL, CLIENTS, PER_CLIENT = 192, 4, 16, 4  # CTX: test_reference's, whose ds3 steps the single-sequence runner loads

@@ -3,8 +3,8 @@ import json, pathlib
 
 import pytest
 
-from tg_ds4 import bench
 from tg_ds4.backend.cpu.replay import engine_threads
+from tg_ds4.tools import bench
 
 def test_bench_report_fields():
   path = pathlib.Path(__file__).parent / "fixtures" / "deepseek2" / "ds3" / "ds3-Q4_0.gguf"

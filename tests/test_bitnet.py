@@ -12,7 +12,7 @@ import pytest
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from family import assert_matches_transformers, llama_cpp_rounded, rel
-from tg_ds4.runner import Runner
+from tg_ds4.runtime.runner import Runner
 
 ROOT = pathlib.Path(__file__).parent / "fixtures" / "bitnet"
 MAN = json.loads((ROOT / "manifest.json").read_text())

@@ -1,7 +1,7 @@
 """Chat templates render like transformers' apply_chat_template (checked against transformers' own output where it's installed)."""
 import pytest
 
-from tg_ds4.chat import CHATML, ChatTemplateError, Template
+from tg_ds4.text.chat_template import CHATML, ChatTemplateError, Template
 
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo <b>\"x\"</b>"}]
 
@@ -54,8 +54,8 @@ TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add <t
                                           "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}}]
 
 def test_real_templates_match_transformers():
-  from tg_ds4.gguf import GGUFFile
-  from tg_ds4.registry import resolve
+  from tg_ds4.io.gguf import GGUFFile
+  from tg_ds4.io.registry import resolve
   assert Template.from_gguf(GGUFFile(resolve("smollm2"))).render(MSGS) == SMOLLM2
   qwen = Template.from_gguf(GGUFFile(resolve("qwen2.5-coder-0.5b")))
   assert not qwen.is_fallback and qwen.render([{"role": "user", "content": "What is 2+2?"}], tools=TOOLS) == QWEN_TOOLS

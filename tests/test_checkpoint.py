@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint folders (tg_ds4/checkpoint.py, hf_tokenizer.py) against independent references: transformers'
+"""Hugging Face checkpoint folders (tg_ds4/io/hf_folder.py, io/hf_tokenizer.py) against independent references: transformers'
 logits, greedy ids, tokenizations, decodes and (gemma3) chat rendering of the same folders
 (tests/fixtures/make_hf_fixtures.py), llama.cpp's converter's GGUF of the same DeepSeek-V3-style and Gemma 3 models
 (metadata and every tensor), gguf-py's quantizers and ggml's own Q4_K blocks (tests/fixtures/make_q4k_reference.py)."""
@@ -10,13 +10,13 @@ import pytest
 from gguf.quants import quantize
 from tinygrad import dtypes
 
-from tg_ds4.chat import Template
-from tg_ds4.checkpoint import Checkpoint, open_model
 from tg_ds4.config import ModelConfig
-from tg_ds4.gguf import GGUFError, GGUFFile
-from tg_ds4.kquant import Q4_K_BLOCK, quantize_blocks, quantize_q4_k
-from tg_ds4.runner import GREEDY, Runner
-from tg_ds4.tokenizer import Tokenizer
+from tg_ds4.io.gguf import GGUFError, GGUFFile
+from tg_ds4.io.hf_folder import Checkpoint, open_model
+from tg_ds4.quant.kquant_writer import Q4_K_BLOCK, quantize_blocks, quantize_q4_k
+from tg_ds4.runtime.runner import GREEDY, Runner
+from tg_ds4.text.chat_template import Template
+from tg_ds4.text.tokenizer import Tokenizer
 
 FIX = pathlib.Path(__file__).parent / "fixtures"
 HF = FIX / "hf"
@@ -198,8 +198,8 @@ def _write_big_llama(d: pathlib.Path, layers: int = 8, dim: int = 1024, ff: int 
 
 RSS_SCRIPT = """
 import re, sys
-from tg_ds4.checkpoint import Checkpoint
-from tg_ds4.runner import Runner
+from tg_ds4.io.hf_folder import Checkpoint
+from tg_ds4.runtime.runner import Runner
 kb = lambda key: int(re.search(key + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
 Runner.load(Checkpoint(sys.argv[2]), max_ctx=16)  # the runtime's one-time setup (compiler, tables) before measuring
 open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) restarts from the resident size now

@@ -50,9 +50,9 @@ def test_default_context_is_the_models_when_smaller_and_a_larger_one_warns():
 
 def test_generate_from_a_checkpoint_folder_quantized_at_load():
   """`-m FOLDER --quantize q8_0`: the text is the greedy continuation the same quantized model gives in-process."""
-  from tg_ds4.checkpoint import Checkpoint
-  from tg_ds4.runner import GREEDY, Runner
-  from tg_ds4.tokenizer import Tokenizer
+  from tg_ds4.io.hf_folder import Checkpoint
+  from tg_ds4.runtime.runner import GREEDY, Runner
+  from tg_ds4.text.tokenizer import Tokenizer
   folder = FIX / "hf" / "ds3"
   r = tg("generate", "-m", str(folder), "--quantize", "q8_0", "-p", "the model reads packed weights", "-n", "6")
   assert r.returncode == 0, r.stderr

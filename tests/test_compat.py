@@ -1,4 +1,4 @@
-"""compat.py: importing tg_ds4 changes nothing in tinygrad; loading a model for a CPU or GPU renderer installs our kernel
+"""backend/compat.py: importing tg_ds4 changes nothing in tinygrad; loading a model for a CPU or GPU renderer installs our kernel
 heuristic, unless TG_DS4_KERNEL_OPTS=0 or tinygrad is not the release its internals were written for (then one warning
 and stock tinygrad). Each case runs in a fresh process: the patches are process-wide."""
 import json, os, pathlib, subprocess, sys
@@ -14,10 +14,10 @@ from tinygrad.renderer.cstyle import ClangRenderer
 hooks = lambda: [heuristic.hand_coded_optimizations, cg.memory_coalescing, worker._init_worker, ClangRenderer.extra_matcher]
 stock = hooks()
 if sys.argv[1] == "old": import importlib.metadata as md; real = md.version; md.version = lambda n: "0.13.0" if n == "tinygrad" else real(n)
-import tg_ds4, tg_ds4.runner, tg_ds4.server.app, tg_ds4.backend.cpu.kernel_opts, tg_ds4.backend.cpu.replay  # all, CPU ones too
+import tg_ds4, tg_ds4.runtime.runner, tg_ds4.server.app, tg_ds4.backend.cpu.kernel_opts, tg_ds4.backend.cpu.replay  # all, CPU ones too
 after_import = [a is b for a, b in zip(hooks(), stock)]
-from tg_ds4.runner import Runner
-from tg_ds4.compat import fast_replay_on
+from tg_ds4.backend.compat import fast_replay_on
+from tg_ds4.runtime.runner import Runner
 Runner.load(sys.argv[2], max_ctx=32)
 print(json.dumps({"import": after_import, "load": [a is b for a, b in zip(hooks(), stock)], "fast_replay": fast_replay_on()}))
 """
@@ -52,11 +52,11 @@ def test_a_gpu_renderer_installs_the_heuristic():
   assert res["import"] == [True] * 4 and res["load"] == [False] * 4
 
 def test_tinygrad_internals_are_imported_in_compat_only():
-  """One seam: outside compat.py, tg_ds4 imports only what the tinygrad package itself exports."""
+  """One seam: outside backend/compat.py, tg_ds4 imports only what the tinygrad package itself exports."""
   import ast
   root, seen = pathlib.Path(__file__).parents[1], []
   for p in [*(root / "tg_ds4").rglob("*.py"), *(root / "scheduling").glob("*.py"), *(root / "profiles").glob("*.py")]:
-    if p.name == "compat.py": continue
+    if p == root / "tg_ds4" / "backend" / "compat.py": continue
     for node in ast.walk(ast.parse(p.read_text())):
       names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
       seen += [f"{p.relative_to(root)}: {n}" for n in names if n.startswith("tinygrad.")]
@@ -67,7 +67,7 @@ import sys
 from tinygrad import Tensor
 lower = lambda n: (Tensor.ones(n, n).contiguous().sum(1).softmax() + 1).realize()  # several kernels: compiled in the pool
 lower(60)                                        # tinygrad's pool starts, with tinygrad's own worker initializer
-from tg_ds4.runner import Runner
+from tg_ds4.runtime.runner import Runner
 Runner.load(sys.argv[1], max_ctx=32)             # installs the CPU heuristic
 for n in range(61, 67): lower(n)                 # workers recycled after every task (BEAM_MAX_TASKS_PER_CHILD=1)
 print("done")

@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import pytest
 
-from tg_ds4.layers import UPLOAD_PIECE
+from tg_ds4.backend.buffers import UPLOAD_PIECE
 
 import background
 
@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).parent / "fixtures"
 UPLOAD = r"""
 import json, pathlib, sys
 import numpy as np
-from tg_ds4.gguf import GGUFFile
+from tg_ds4.io.gguf import GGUFFile
 status = lambda k: int(pathlib.Path("/proc/self/status").read_text().split(k + ":")[1].split()[0]) * 1024
 gf = GGUFFile(sys.argv[1])
 pathlib.Path("/proc/self/clear_refs").write_text("5")  # resets the peak (VmHWM) to the current RSS
@@ -54,7 +54,7 @@ DECODE = r"""
 import json, pathlib, sys
 import numpy as np
 from tinygrad import Device
-from tg_ds4.runner import Runner
+from tg_ds4.runtime.runner import Runner
 path, ids = sys.argv[1], json.loads(sys.argv[2])
 r = Runner.load(path, max_ctx=max(64, len(ids)))
 rows = [r.decode(t, i).numpy()[0, 0] for i, t in enumerate(ids)]
@@ -125,7 +125,7 @@ def test_moe_fixture_decodes_on_the_emulated_gpu_in_float32():
 
 @pytest.mark.background("ds3-half")
 def test_moe_fixture_decodes_on_the_emulated_gpu_in_half():
-  """The same in a GPU's default precision (precision.py: float16 matmul inputs, dequantized weights and KV cache,
+  """The same in a GPU's default precision (quant/precision.py: float16 matmul inputs, dequantized weights and KV cache,
   float32 accumulation): measured 3.4e-4, 8.1e-4, greedy picks the same. The bound is 10x float16's unit
   roundoff (4.9e-4) relative to the largest logit: far above float32's ~1e-6, far below a wrong kernel's O(1)."""
   rel, same = job_result("ds3-half")

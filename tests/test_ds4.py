@@ -1,4 +1,4 @@
-"""deepseek4 (DeepSeek V4 Flash architecture, tg_ds4/ds4.py) against the independent references in
+"""deepseek4 (DeepSeek V4 Flash architecture, tg_ds4/models/deepseek4.py) against the independent references in
 tests/fixtures/deepseek4/flash (tests/fixtures/make_ds4_fixtures.py: a tiny random transformers deepseek_v4 model, GGUFs
 written by llama.cpp's converter and quantizer, logits from transformers and llama.cpp; see its README).
 
@@ -6,14 +6,14 @@ The 375-token prompt runs far past the 32-row window, fills 93 ratio-4 rows (the
 rows; the 16-token greedy continuation crosses the third ratio-128 boundary in decode. Decode goes token by token
 through the TinyJit-captured step over the whole prompt. flash-MXFP4.gguf holds transformers' weights exactly, so exact
 math is held to transformers; llama.cpp rounds every quantized matmul input to 8 bits, so for the llama.cpp comparisons
-the model rounds them the same way (`numerics="llama.cpp"`, tg_ds4/actquant.py)."""
+the model rounds them the same way (`numerics="llama.cpp"`, tg_ds4/quant/activations.py)."""
 import functools, json, pathlib
 
 import numpy as np
 import pytest
 from tinygrad.codegen import to_program_cache
 
-from tg_ds4.runner import Runner
+from tg_ds4.runtime.runner import Runner
 
 ROOT = pathlib.Path(__file__).parent / "fixtures" / "deepseek4" / "flash"
 MAN = json.loads((ROOT / "manifest.json").read_text())  # a missing manifest fails the run

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tg_ds4.chat import Template, assistant_message
-from tg_ds4.gguf import GGUFFile
-from tg_ds4.tokenizer import Tokenizer
+from tg_ds4.io.gguf import GGUFFile
+from tg_ds4.text.chat_template import Template, assistant_message
+from tg_ds4.text.tokenizer import Tokenizer
 
 D = Path(__file__).parent / "fixtures" / "deepseek4"
 GGUF = D / "flash" / "flash-MXFP4.gguf"
@@ -86,6 +86,6 @@ def test_live_llama_cpp():
   llm.close()
 
 def test_cli_think_flag():
-  from tg_ds4.__main__ import build_parser
+  from tg_ds4.cli import build_parser
   p = build_parser()
   assert [p.parse_args(["chat", *a]).think for a in ([], ["--think"], ["--no-think"])] == [None, True, False]

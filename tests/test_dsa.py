@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from family import NEAR_TIE, dequantized_twin, file_formats, rel
-from tg_ds4.runner import Runner
+from tg_ds4.runtime.runner import Runner
 
 ROOT = pathlib.Path(__file__).parent / "fixtures" / "dsa"
 NAMES = ["ds32", "glmdsa", "ds32k"]

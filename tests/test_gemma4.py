@@ -13,9 +13,9 @@ import pytest
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from family import assert_matches_transformers, llama_cpp_rounded
-from tg_ds4.gguf import GGUFError, GGUFFile
-from tg_ds4.runner import Runner
-from tg_ds4.tokenizer import Tokenizer
+from tg_ds4.io.gguf import GGUFError, GGUFFile
+from tg_ds4.runtime.runner import Runner
+from tg_ds4.text.tokenizer import Tokenizer
 
 ROOT = pathlib.Path(__file__).parent / "fixtures" / "gemma4"
 MAN = json.loads((ROOT / "manifest.json").read_text())

@@ -7,7 +7,7 @@ from ggufgen import stored_values, write_tiny
 from gguf import GGUFReader
 from tinygrad import dtypes
 
-from tg_ds4.gguf import GGUFError, GGUFFile
+from tg_ds4.io.gguf import GGUFError, GGUFFile
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

@@ -10,7 +10,7 @@ from gguf import GGUFReader
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tg_ds4.gguf import GGUFError, GGUFFile
+from tg_ds4.io.gguf import GGUFError, GGUFFile
 
 EXAMPLES = int(os.environ.get("TG_DS4_FUZZ_EXAMPLES", "2000"))
 COUNT = {"ok": 0, "GGUFError": 0}

@@ -7,8 +7,8 @@ import json, pathlib
 import pytest
 
 from family import assert_matches_transformers
-from tg_ds4.gguf import GGUFError
-from tg_ds4.runner import Runner
+from tg_ds4.io.gguf import GGUFError
+from tg_ds4.runtime.runner import Runner
 
 ROOT = pathlib.Path(__file__).parent / "fixtures" / "gpt2"
 MAN = json.loads((ROOT / "manifest.json").read_text())

@@ -12,7 +12,7 @@ import tinygrad.codegen as cg
 from tinygrad.uop.ops import AxisType, Ops, UOp, graph_rewrite
 
 from tg_ds4.backend.cpu import kernel_opts
-from tg_ds4.quant import QTYPE_BY_NAME, QTensor, linear, panel_gemm
+from tg_ds4.quant.formats import QTYPE_BY_NAME, QTensor, linear, panel_gemm
 
 @pytest.fixture(autouse=True, scope="module")
 def installed():  # as when a CPU model is loaded (backend.prepare_device); the rendering tests read the installed rewrites
@@ -78,7 +78,7 @@ _GEMV_4_ROWS = """
 import sys, numpy as np
 from tinygrad import Device, Tensor
 from tg_ds4.backend import prepare_device
-from tg_ds4.quant import QTYPE_BY_NAME, QTensor, linear
+from tg_ds4.quant.formats import QTYPE_BY_NAME, QTensor, linear
 prepare_device("CPU")
 rng, qt = np.random.default_rng(0), QTYPE_BY_NAME["Q4_1"]
 blocks = rng.integers(0, 256, (256, 512 // qt.block, qt.nbytes), dtype=np.uint8)
@@ -262,8 +262,8 @@ def test_gemm_weight_rows_and_outputs_in_8_float_accesses(monkeypatch):
 
 def _decode_step_kernels() -> list[Tensor]:
   """A real decode step (symbolic position, MLA + MoE) of the ds3 fixture, with greedy, sampling and logprob heads."""
-  from tg_ds4.runner import Runner, _with_logprobs
-  from tg_ds4.sampling import SamplingParams, greedy, sample
+  from tg_ds4.runtime.runner import Runner, _with_logprobs
+  from tg_ds4.runtime.sampling import SamplingParams, greedy, sample
   m = Runner.load(str(FIXTURES / "deepseek2/ds3/ds3-Q4_0.gguf"), max_ctx=64).model
   tok, pos = UOp.variable("token", 0, m.cfg.n_vocab - 1).bind(3), UOp.variable("start_pos", 0, 63).bind(5)
   logits = m.forward(tok, pos, last_only=True)[:, -1]
@@ -272,8 +272,8 @@ def _decode_step_kernels() -> list[Tensor]:
 
 def _sampling_kernels(vocab: int) -> list[Tensor]:
   """The sampling and logprob heads over a real vocabulary: its reductions split into scalar and bool kernels."""
-  from tg_ds4.runner import _with_logprobs
-  from tg_ds4.sampling import SamplingParams, greedy, sample
+  from tg_ds4.runtime.runner import _with_logprobs
+  from tg_ds4.runtime.sampling import SamplingParams, greedy, sample
   logits = Tensor(np.random.default_rng(vocab).standard_normal((1, vocab)).astype(np.float32)).realize()
   sp, rng = SamplingParams(0.8, 40, 0.95, 0.05, 1).tensors(), Tensor([1, 2], dtype=dtypes.uint32)
   tok = sample(logits, *sp, rng)

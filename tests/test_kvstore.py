@@ -6,7 +6,7 @@ import hashlib, json, logging, os, shutil, struct, subprocess, sys, threading, t
 import numpy as np
 import pytest
 
-from tg_ds4.server.kvstore import MAGIC, Entry, KVStore, tokens_key
+from tg_ds4.server.kvstore import Entry, KVStore, MAGIC, tokens_key
 from tg_ds4.server.worker import Worker
 
 def _rows(n, seed=0):

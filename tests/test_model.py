@@ -4,8 +4,8 @@ import pytest
 from ggufgen import write_tiny_deepseek2
 from tinygrad import Tensor
 
-from tg_ds4.runner import Runner
-from tg_ds4.gguf import GGUFError
+from tg_ds4.io.gguf import GGUFError
+from tg_ds4.runtime.runner import Runner
 
 TOKENS = [1, 5, 9, 33, 2, 7, 100, 4, 8, 12, 3, 3, 77]
 
@@ -75,7 +75,7 @@ def test_fused_gate_up_experts_equal_split(tiny, tmp_path):
   assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
 
 def test_fully_masked_row_is_finite():
-  from tg_ds4.mla import causal_mask
+  from tg_ds4.nn.mla import causal_mask
   scores = Tensor.zeros(1, 1, 3, 5) + causal_mask(3, 2)
   masked = scores + Tensor([[[[0.0], [0.0], [-3.4e38]]]]).expand(1, 1, 3, 5)  # last row: every key masked
   probs = masked.softmax(-1).numpy()
@@ -85,7 +85,7 @@ def test_fully_masked_row_is_finite():
 def test_prefill_plan(tiny):
   """A prompt tail is split into whole chunks of the captured sizes, a short rest fed per token and a longer rest into
   the smallest chunk that holds it; nothing is padded past the next chunk size, nothing fed past FEED_TOKENS."""
-  from tg_ds4.runner import FEED_TOKENS
+  from tg_ds4.runtime.runner import FEED_TOKENS
   r = Runner.load(tiny, max_ctx=32)
   C = r.model.PREFILL_CHUNKS
   for n in range(1, 400):

@@ -6,7 +6,7 @@ import pytest
 from tinygrad import Tensor
 
 from tg_ds4.config import Gating, ModelConfig, RopeConfig, RopeType
-from tg_ds4.moe import TILE_ROWS, MoE, expert_tiles, group_by_expert, topk_ids
+from tg_ds4.nn.moe import MoE, TILE_ROWS, expert_tiles, group_by_expert, topk_ids
 
 
 def _cfg(**kw) -> ModelConfig:

@@ -6,8 +6,8 @@ import json, pathlib, subprocess, sys
 import numpy as np
 import pytest
 
-from tg_ds4 import probe
-from tg_ds4.runner import Runner
+from tg_ds4.runtime.runner import Runner
+from tg_ds4.tools import probe
 
 FIX = pathlib.Path(__file__).parent / "fixtures"
 DS3 = FIX / "deepseek2" / "ds3"

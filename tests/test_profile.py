@@ -5,10 +5,10 @@ import csv, json, pathlib, re
 import pytest
 from tinygrad import GlobalCounters, TinyJit, UOp
 
-from tg_ds4.runner import Runner
-from tg_ds4.model import Transformer
-from tg_ds4.profile import CATEGORIES, profile_model, write
-from tg_ds4.sampling import greedy
+from tg_ds4.models.transformer import Transformer
+from tg_ds4.runtime.runner import Runner
+from tg_ds4.runtime.sampling import greedy
+from tg_ds4.tools.profile import CATEGORIES, profile_model, write
 
 DS3 = pathlib.Path(__file__).parent / "fixtures" / "deepseek2" / "ds3" / "ds3-Q4_0.gguf"
 

@@ -12,7 +12,7 @@ import pytest
 from gguf import GGMLQuantizationType, quants
 from tinygrad import GlobalCounters, Tensor, dtypes
 
-from tg_ds4.quant import K_WIDENED, QTYPE_BY_NAME, QTYPES, QTensor, dequantize, linear, q5_0_as_q8_0, widen_k_quant
+from tg_ds4.quant.formats import K_WIDENED, QTYPES, QTYPE_BY_NAME, QTensor, dequantize, linear, q5_0_as_q8_0, widen_k_quant
 
 # fp16 fields (byte offsets) that random bytes must not make inf/nan
 F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82), "Q3_K": (108,),
@@ -92,7 +92,7 @@ def test_dequant_matches_gguf(qt):
   else: np.testing.assert_array_max_ulp(got, ref, maxulp=1)
 
 def test_q5_0_as_q8_0_same_values():
-  """The CPU re-encoding of Q5_0 weights (backend/cpu/widen.py) keeps every value: gguf-py's Q5_0 dequantization of the
+  """The CPU re-encoding of Q5_0 weights (models/widen.py) keeps every value: gguf-py's Q5_0 dequantization of the
   original bytes equals its Q8_0 dequantization of the new ones, bit for bit."""
   qt = QTYPE_BY_NAME["Q5_0"]
   b = rand_blocks(qt, (6,), 8, np.random.default_rng(5))
@@ -103,7 +103,7 @@ def test_q5_0_as_q8_0_same_values():
 
 @pytest.mark.parametrize("name", ("Q6_K", "Q4_K"))
 def test_widened_k_quant_same_values(name):
-  """The CPU re-encoding of K-quant weights (backend/cpu/widen.py) keeps every value: the widened blocks dequantize to
+  """The CPU re-encoding of K-quant weights (models/widen.py) keeps every value: the widened blocks dequantize to
   gguf-py's values of the original bytes bit for bit, and a GEMV over them agrees with one over the original to float
   rounding (the sums run in another order)."""
   qt, rng = QTYPE_BY_NAME[name], np.random.default_rng(7)
@@ -201,7 +201,7 @@ def test_fuse_rows_equals_its_parts(name):
   """layers.fuse_rows (q|k and gate|up of dense GQA blocks): the fused Linear's output is the parts' outputs side by side,
   for one token (the lanes GEMV) and a chunk (the dequantize-once GEMM), and the parts still compute the same through
   their views of the fused bytes."""
-  from tg_ds4.layers import Linear, fusable, fuse_rows
+  from tg_ds4.nn.layers import Linear, fusable, fuse_rows
   rng, qt = np.random.default_rng(5), QTYPE_BY_NAME[name]
   parts = []
   for n in (48, 16):
@@ -220,7 +220,7 @@ def test_fuse_rows_equals_its_parts(name):
     for p, r in zip(parts, ref): np.testing.assert_allclose(p(x).numpy(), r, rtol=1e-6, atol=1e-6)
 
 def test_unlike_weights_are_not_fusable():
-  from tg_ds4.layers import Linear, fusable
+  from tg_ds4.nn.layers import Linear, fusable
   a, b = Linear(64, 8), Linear(64, 8, bias=True)
   a.weight = b.weight = QTensor(Tensor.zeros(8, 2, 18, dtype=dtypes.uint8).contiguous(), QTYPE_BY_NAME["Q4_0"], (8, 64))
   b.bias = Tensor.zeros(8)

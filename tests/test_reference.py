@@ -5,7 +5,7 @@ and llama.cpp (llama-cpp-python, F32 KV cache) logits and greedy continuations f
 llama.cpp rounds activations to 8 bits inside quantized matmuls, so on quantized files it sits ~0.05-0.2 logits from
 exact fp32 math (more where that flips an expert or a greedy near-tie). tg_ds4's exact numerics are held to hfdq
 tightly; for the comparison with llama.cpp the model is built with `numerics="llama.cpp"`, which rounds matmul inputs
-exactly as llama.cpp does (tg_ds4/actquant.py), and so are the default numerics ("auto") on the files whose every
+exactly as llama.cpp does (tg_ds4/quant/activations.py), and so are the default numerics ("auto") on the files whose every
 packed format the CPU takes integer dots for."""
 import functools, json, pathlib
 
@@ -14,8 +14,8 @@ import pytest
 
 from family import NEAR_TIE, dequantized_twin, file_formats
 from tg_ds4 import backend
-from tg_ds4.backend.cpu import intdot
-from tg_ds4.runner import FEED_TOKENS, Runner
+from tg_ds4.quant import intdot
+from tg_ds4.runtime.runner import FEED_TOKENS, Runner
 
 ROOT = pathlib.Path(__file__).parent / "fixtures" / "deepseek2"
 FAMILIES = ["ds2lite", "ds3", "ds3k", "glm", "youtu"]  # a missing manifest fails the run (never a silently smaller suite)

@@ -1,14 +1,14 @@
-"""tg_ds4.jit.Jit on the CPU: the fast CPU replay (backend/cpu/replay.py) runs exactly what tinygrad's executor runs. Logits bitwise equal at every
-position (the position is symbolic), the same GlobalCounters per step, the same generated tokens."""
+"""tg_ds4.runtime.jit.Jit on the CPU: the fast CPU replay (backend/cpu/replay.py) runs exactly what tinygrad's executor runs.
+Logits bitwise equal at every position (the position is symbolic), the same GlobalCounters per step, the same generated tokens."""
 import pathlib
 
 import numpy as np
 import pytest
 from tinygrad import GlobalCounters
 
-from tg_ds4.runner import Runner
 from tg_ds4.backend.cpu.replay import FastCPUReplay
-from tg_ds4.sampling import SamplingParams
+from tg_ds4.runtime.runner import Runner
+from tg_ds4.runtime.sampling import SamplingParams
 
 FIX = pathlib.Path(__file__).parent / "fixtures"
 FILES = [FIX / "deepseek2/ds3/ds3-Q4_0.gguf", FIX / "deepseek4/flash/flash-MXFP4.gguf"]

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from tinygrad import Tensor, dtypes
 
-from tg_ds4.sampling import SamplingParams, greedy, sample, uniform
+from tg_ds4.runtime.sampling import SamplingParams, greedy, sample, uniform
 
 def _allowed(l: np.ndarray, k: int, p: float, minp: float) -> np.ndarray:
   order = np.argsort(-l, kind="stable")

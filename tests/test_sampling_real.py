@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from test_server import CTX, MODEL_ID, REPO, Server, _env, write_chat_llama
-from tg_ds4.registry import resolve
+from tg_ds4.io.registry import resolve
 
 PROMPT, N = "The rivers of the world", 24
 SAMPLED = ("--temperature", "0.8", "--top-k", "40", "--top-p", "0.9", "--min-p", "0.05")

@@ -5,7 +5,7 @@ import json, os, pathlib, subprocess, sys, tomllib
 
 import pytest
 
-from tg_ds4.registry import resolve
+from tg_ds4.io.registry import resolve
 
 import background
 

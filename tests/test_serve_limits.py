@@ -9,11 +9,11 @@ from hypothesis import given, settings, strategies as st
 try: import httpx2 as httpx
 except ImportError: import httpx
 
-from tg_ds4.gguf import GGUFFile
+from tg_ds4.io.gguf import GGUFFile
 from tg_ds4.server.app import build_app
 from tg_ds4.server.body import json_depth
 from tg_ds4.server.guard import Allowed
-from tg_ds4.tokenizer import Tokenizer
+from tg_ds4.text.tokenizer import Tokenizer
 
 from scripted import MODEL_ID, VOCAB, scripted_served
 

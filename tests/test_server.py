@@ -15,14 +15,14 @@ except ImportError: import httpx  # noqa: E402
 from gguf import GGUFReader, GGUFValueType, GGUFWriter  # noqa: E402
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
-from tg_ds4.gguf import GGUFFile  # noqa: E402
-from tg_ds4.sampling import SamplingParams  # noqa: E402
+from tg_ds4.io.gguf import GGUFFile  # noqa: E402
+from tg_ds4.runtime.sampling import SamplingParams  # noqa: E402
 from tg_ds4.server.app import build_app  # noqa: E402
 from tg_ds4.server.guard import Allowed  # noqa: E402
 from scripted import scripted_served  # noqa: E402
 from tg_ds4.server.kvstore import tokens_key  # noqa: E402
 from tg_ds4.server.worker import Job  # noqa: E402
-from tg_ds4.tokenizer import Tokenizer  # noqa: E402
+from tg_ds4.text.tokenizer import Tokenizer  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 VOCAB = REPO / "tests/fixtures/deepseek2/ds3/ds3-Q8_0.gguf"
@@ -448,7 +448,7 @@ def test_slots_queue_429_and_cancel(model):
   """A worker with 2 slots and a queue of 1: two requests run together, a third waits, a fourth is refused (QueueFull:
   the 429); a cancelled running request leaves within a token, a request cancelled while queued never runs, and the
   slot serves the next request, which answers as the same request alone."""
-  from tg_ds4.runner import Runner
+  from tg_ds4.runtime.runner import Runner
   from tg_ds4.server.worker import Done, QueueFull, Started, Worker
   runner = Runner.load(GGUFFile(model), max_ctx=CTX, parallel=2)
   alone = list(runner.generate([9, 8, 7, 6], 6))
@@ -483,7 +483,7 @@ def test_slots_queue_429_and_cancel(model):
 def test_engine_logprobs_reuse_and_kv_rows(model):
   """The engine pieces the server builds on, on the real (tiny) model: logprobs match a host log_softmax, a common
   prefix is reused, and rows saved from one cache state and loaded into another give the same continuation."""
-  from tg_ds4.runner import Runner
+  from tg_ds4.runtime.runner import Runner
   e = Runner.load(GGUFFile(model), max_ctx=64)
   a, b = list(range(40, 60)), list(range(40, 50)) + list(range(100, 110))
   logits = e.prefill_last(a).numpy()[0, -1].astype(np.float64)  # before the engine runs: it does not know about this prefill

@@ -1,13 +1,13 @@
-"""tg_ds4.stepcache: captured steps saved by one process and loaded by the next give the same results bit for bit,
+"""tg_ds4.runtime.stepcache: captured steps saved by one process and loaded by the next give the same results bit for bit,
 hold no weights, and a bad, foreign or stale entry costs a capture, never a wrong result."""
 import logging, os, pathlib, subprocess, sys
 
 import numpy as np
 import pytest
 
-from tg_ds4 import stepcache
-from tg_ds4.runner import Runner
-from tg_ds4.sampling import SamplingParams
+from tg_ds4.runtime import stepcache
+from tg_ds4.runtime.runner import Runner
+from tg_ds4.runtime.sampling import SamplingParams
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DS3 = REPO / "tests/fixtures/deepseek2/ds3/ds3-Q4_0.gguf"

@@ -1,4 +1,4 @@
-"""tg_ds4.tokenizer against llama.cpp.
+"""tg_ds4.text.tokenizer against llama.cpp.
 
 1. llama.cpp's own tokenizer test vectors (models/ggml-vocab-*.gguf + .gguf.inp/.gguf.out, read the way
    tests/test-tokenizer-0.cpp reads them: add_special=False, parse_special=False), fetched from the llama-cpp-python
@@ -6,16 +6,16 @@
 2. The registry models (smollm2, qwen2.5-coder-0.5b, gemma3-270m): the literals below are what llama.cpp returned,
    computed with llama-cpp-python 0.3.36 (`Llama(path, vocab_only=True).tokenize(text.encode(), add_bos=True,
    special=...)`, `llama_vocab_is_eog`, `llama_detokenize`), an independent reference.
-Both backends run: "auto" (tokenizers' Rust BPE does the merges) and "python" (the merge loops in tokenizer.py).
+Both backends run: "auto" (tokenizers' Rust BPE does the merges) and "python" (the merge loops in text/tokenizer.py).
 """
 import functools
 
 import pytest
 import vocab_vectors
 
-from tg_ds4.gguf import GGUFFile
-from tg_ds4.registry import resolve
-from tg_ds4.tokenizer import StreamDecoder, Tokenizer
+from tg_ds4.io.gguf import GGUFFile
+from tg_ds4.io.registry import resolve
+from tg_ds4.text.tokenizer import StreamDecoder, Tokenizer
 
 # every vocab with vectors in the 0.3.36 sdist; all but bert-bge must match on 100% of them
 VOCABS = ["bert-bge", "command-r", "deepseek-coder", "deepseek-llm", "falcon", "gemma-4", "gpt-2", "llama-bpe", "llama-spm", "mpt",

@@ -18,7 +18,7 @@ import tarfile
 import urllib.request
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-from tg_ds4.registry import INDEX, _download, _sha256, cache_dir  # noqa: E402
+from tg_ds4.io.registry import INDEX, _download, _sha256, cache_dir  # noqa: E402
 
 PACKAGE, VERSION = "llama-cpp-python", "0.3.36"
 SDIST = f"llama_cpp_python-{VERSION}.tar.gz"

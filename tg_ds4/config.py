@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass, replace
 from enum import IntEnum
 
-from tg_ds4.gguf import GGUFError, GGUFFile
+from tg_ds4.io.gguf import GGUFError, GGUFFile
 
 
 class Gating(IntEnum):

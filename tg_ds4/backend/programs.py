@@ -5,7 +5,7 @@ missing from that dict is first looked up in `$TG_DS4_CACHE/programs/`, and one 
 
 The test suite turns it on (tests/conftest.py): its processes (pytest-xdist workers, CLI and server subprocesses, the
 background lowering jobs) then lower each kernel once between them, as one process would. The step cache
-(stepcache.py) saves whole captured steps; this saves kernels, so a step captured for another context size or another
+(runtime/stepcache.py) saves whole captured steps; this saves kernels, so a step captured for another context size or another
 set of settings still reuses every kernel whose AST it shares.
 
 The key of an entry is tinygrad's own key for its in-process dict (the AST's hash, the renderer and its target, the
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import contextlib, hashlib, importlib.metadata, logging, os, pathlib, pickle, time
 
-from tg_ds4 import compat
-from tg_ds4.registry import cache_dir
+from tg_ds4.backend import compat
+from tg_ds4.backend.cache import TINYGRAD_UNKEYED, cache_dir, cpu_id, knobs, source_hash
 
 log = logging.getLogger("tg_ds4")
 SUFFIX = ".prg"
@@ -41,7 +41,7 @@ if compat.internals_match():
 _lower_and_compile = None  # tinygrad's own, while ours is installed
 
 def install() -> None:
-  """Idempotent; nothing when the cache is off or tinygrad's internals are not the release compat.py knows."""
+  """Idempotent; nothing when the cache is off or tinygrad's internals are not the release backend/compat.py knows."""
   global _lower_and_compile
   if _lower_and_compile is not None or not enabled() or not compat.internals_match(): return
   _lower_and_compile, compat.realize.lower_and_compile = compat.realize.lower_and_compile, _cached_lower_and_compile
@@ -61,11 +61,9 @@ def _hooks() -> tuple[str, ...] | None:
   return tuple(state)
 
 def _environment() -> bytes | None:
-  from tg_ds4 import stepcache  # here, not at the top: stepcache imports the model layers, which import this package
   if (hooks := _hooks()) is None: return None
-  return repr((importlib.metadata.version("tinygrad"), stepcache._source_hash(), stepcache._cpu(), hooks,
-               sorted((k, repr(v.value)) for k, v in compat.ContextVar._cache.items() if k not in stepcache._UNKEYED),
-               sorted((k, v) for k, v in os.environ.items() if k.startswith("TG_DS4_") and k not in stepcache.UNKEYED_KNOBS))).encode()
+  return repr((importlib.metadata.version("tinygrad"), source_hash(), cpu_id(), hooks,
+               sorted((k, repr(v.value)) for k, v in compat.ContextVar._cache.items() if k not in TINYGRAD_UNKEYED), knobs())).encode()
 
 def _digest(env: bytes, key: tuple, renderer) -> str:
   """`key`: tinygrad's (AST hash, renderer type, target, codegen settings); the compiler's flags and cache key too."""

@@ -14,7 +14,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.routing import Route
 
-from tg_ds4 import actquant
+from tg_ds4.quant import activations
 from tg_ds4.server import anthropic_api, openai_api
 from tg_ds4.server.body import BodyLimits, BodySlots
 from tg_ds4.server.connections import BACKLOG, RateLimited, connection_cap, limited_protocol
@@ -78,21 +78,21 @@ def load(model: str, max_context: int | None, kv_cache_dir: str | None = None, k
   """Tokenizer and template here; model and KV store on the worker's thread (see Worker), with `parallel` cache slots
   (requests generated together). Returns once the model is loaded (a bad file raises here); the warm-up compile runs
   on while the server already answers /health."""
-  from tg_ds4.arch import default_context
-  from tg_ds4.chat import Template
-  from tg_ds4.checkpoint import open_model
-  from tg_ds4.runner import Runner
-  from tg_ds4.registry import resolve
+  from tg_ds4.models.families import default_context
+  from tg_ds4.text.chat_template import Template
+  from tg_ds4.io.hf_folder import open_model
+  from tg_ds4.runtime.runner import Runner
+  from tg_ds4.io.registry import resolve
   from tg_ds4.server.kvstore import KVStore, model_fingerprint
   from tg_ds4.server.worker import Worker
-  from tg_ds4.tokenizer import Tokenizer
+  from tg_ds4.text.tokenizer import Tokenizer
   path = pathlib.Path(resolve(model))
   gf = open_model(path, quantize)
   tok, t0 = Tokenizer.from_gguf(gf), time.perf_counter()
   def load_runner():
     runner = Runner.load(gf, max_ctx=max_context or default_context(gf), parallel=parallel, numerics=numerics)
     fp = model_fingerprint(path, runner.cache_layout(), gf.identity() if hasattr(gf, "identity") else None,
-                           actquant.effective(numerics, runner.device))
+                           activations.effective(numerics, runner.device))
     kv = KVStore(kv_cache_dir, fp, kv_cache_size, kv_cache_min_tokens) if kv_cache_dir else None
     return runner, kv
   worker = Worker(load_runner, max_queue, warmup=(tok.encode("Hello, world", add_special=True) or [0]) if warmup else None).start().wait_loaded()

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from tg_ds4.runner import Step
-from tg_ds4.sampling import SamplingParams
+from tg_ds4.runtime.runner import Step
+from tg_ds4.runtime.sampling import SamplingParams
 from tg_ds4.server.errors import ApiError
 from tg_ds4.server.served import Served
 from tg_ds4.server.textstream import TextStream

@@ -32,7 +32,7 @@ def model_fingerprint(gguf_path: str | os.PathLike, layout: list[tuple[str, tupl
   """Identity of the weights and of the cache layout: the file's size, its first 4 MiB (header and metadata) and 16
   samples of 64 KiB spread over the tensor data, plus each cache tensor's name, dtype and row shape (not its row count:
   a different --max-context keeps the files valid). A checkpoint folder's weights are named by `identity` instead
-  (checkpoint.Checkpoint.identity). A cache computed under other numerics (actquant.py, as they work out on the
+  (io/hf_folder.py's Checkpoint.identity). A cache computed under other numerics (quant/activations.py, as they work out on the
   device: serve --numerics) holds other values: caches of different numerics never restore each other's."""
   h, path = hashlib.sha256(f"tg_ds4-kv-{FORMAT}".encode()), pathlib.Path(gguf_path)
   if numerics != "exact": h.update(b"llama-cpp-rounding" if numerics == "llama.cpp" else f"numerics-{numerics}".encode())

@@ -8,7 +8,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from tg_ds4.runner import Step
+from tg_ds4.runtime.runner import Step
 from tg_ds4.server.body import read_request
 from tg_ds4.server.completion import Completion, Finish, Piece, cancel_on_disconnect
 from tg_ds4.server.errors import ApiError
@@ -20,7 +20,7 @@ from tg_ds4.server.wire import JSON, sse
 log = logging.getLogger("tg_ds4.server")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
-# what the server passes a chat template itself (tg_ds4.chat.Template.render)
+# what the server passes a chat template itself (tg_ds4.text.chat_template.Template.render)
 TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "tools", "documents", "bos_token", "eos_token"}
 
 def _unsupported(req: Sampling) -> None:

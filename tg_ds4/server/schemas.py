@@ -103,7 +103,7 @@ class ChatRequest(Sampling):
   parallel_tool_calls: bool | None = None
   response_format: ResponseFormat | None = None
   # extra chat template variables, as llama.cpp's server and vLLM take them: {"enable_thinking": false} turns a reasoning
-  # template's thinking off (tg_ds4.chat passes `thinking` and `enable_thinking` together)
+  # template's thinking off (tg_ds4.text.chat_template passes `thinking` and `enable_thinking` together)
   chat_template_kwargs: dict[str, Any] | None = None
 
 # *** OpenAI legacy completions ***

@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from tg_ds4.chat import ChatTemplateError, Template
-from tg_ds4.sampling import SamplingParams
+from tg_ds4.runtime.sampling import SamplingParams
 from tg_ds4.server.errors import ApiError
 from tg_ds4.server.toolcalls import template_tool_calls
 from tg_ds4.server.worker import Worker
-from tg_ds4.tokenizer import Tokenizer
+from tg_ds4.text.chat_template import ChatTemplateError, Template
+from tg_ds4.text.tokenizer import Tokenizer
 
 
 @dataclass

@@ -2,7 +2,7 @@
 emitted, and (when tools are offered) everything from the first tool-call marker on captured instead of streamed."""
 from __future__ import annotations
 
-from tg_ds4.tokenizer import StreamDecoder, Tokenizer
+from tg_ds4.text.tokenizer import StreamDecoder, Tokenizer
 
 
 class Holdback:

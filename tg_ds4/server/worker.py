@@ -5,7 +5,7 @@ One sequence at a time (a runner loaded with parallel=1): per job, reuse the lon
 holds (or, when longer, with a saved prefix on disk), prefill the rest, then stream tokens, checking the job's cancel
 flag before every further token, so a client that went away costs at most the token in flight.
 
-Slots (parallel=N > 1): jobs move from the queue, first come first served, onto free cache slots of a batch.Batcher,
+Slots (parallel=N > 1): jobs move from the queue, first come first served, onto free cache slots of a runtime/batcher.py Batcher,
 which steps them together: each engine step runs at most one prefill chunk and one batched decode step over every
 running job. A job takes the free slot whose cache shares the longest prefix with its prompt, or a saved prefix from
 disk when that is longer; a cancelled job leaves its slot at the next step (at most one more token computed).
@@ -17,9 +17,9 @@ import asyncio, itertools, logging, queue, threading, time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tg_ds4.batch import Batcher, Request
-from tg_ds4.runner import Runner
-from tg_ds4.sampling import SamplingParams
+from tg_ds4.runtime.batcher import Batcher, Request
+from tg_ds4.runtime.runner import Runner
+from tg_ds4.runtime.sampling import SamplingParams
 from tg_ds4.server.kvstore import KVStore
 
 log = logging.getLogger("tg_ds4.server")

@@ -1,18 +1,18 @@
 """One flag for the C compiler that builds CPU kernels: `-mllvm -slp-max-vf=16`.
 
-A GEMV over a few rows of x (a batched decode step, rows.py) keeps LANES accumulators per row, all in one loop. clang's
-SLP vectorizer seeds on the loop's accumulator phis as one list and tries its widest vector first: 64 for 4 rows x 16
-lanes, which it rejects, and then it leaves the whole list scalar (clang 14: "List vectorization was possible but not
-beneficial"): smollm2's Q4_1 gate|up for 4 rows ran 3.9 ms on one core, 19x one row. Capped at 16 (one row's lanes), it
-vectorizes each row's accumulators as for one row, unpacking each weight once for all rows: 0.41 ms, 2.2x one row. The
-cap changes which instructions clang picks, not the C program: no operation is reordered (no fast-math), so results are
-bitwise the same. A compiler that does not take the flag (another C compiler, an LLVM without the option) gets none;
+A GEMV over a few rows of x (a batched decode step, nn/cache_rows.py) keeps LANES accumulators per row, all in one
+loop. clang's SLP vectorizer seeds on the loop's accumulator phis as one list and tries its widest vector first: 64
+for 4 rows x 16 lanes, which it rejects, and then it leaves the whole list scalar (clang 14: "List vectorization was
+possible but not beneficial"): smollm2's Q4_1 gate|up for 4 rows then ran as scalar code. Capped at 16 (one row's
+lanes), it vectorizes each row's accumulators as for one row, unpacking each weight once for all rows. The cap changes
+which instructions clang picks, not the C program: no operation is reordered (no fast-math), so results are bitwise
+the same. A compiler that does not take the flag (another C compiler, an LLVM without the option) gets none;
 `TG_DS4_SLP_MAX_VF=0` leaves it off, another number caps there."""
 from __future__ import annotations
 
 import functools, logging, os, subprocess
 
-from tg_ds4.compat import ClangCompiler
+from tg_ds4.backend.compat import ClangCompiler
 
 SLP_MAX_VF = int(os.environ.get("TG_DS4_SLP_MAX_VF", "16"))  # 0: no cap, clang's own choice
 FLAGS = ("-mllvm", f"-slp-max-vf={SLP_MAX_VF}")

@@ -1,22 +1,22 @@
 """Two changes to tinygrad's hand-coded kernel heuristic on CPU renderers, for the two matmul shapes of inference.
 
-GEMV (one token): `quant.linear` writes it so that each output row keeps `LANES` independent accumulators (the
-unrolled last reduce axis), which the C compiler turns into vector multiply-adds along the row's contiguous bytes.
+GEMV (one token): quant/formats.py's `linear` writes it so that each output row keeps `LANES` independent accumulators
+(the unrolled last reduce axis), which the C compiler turns into vector multiply-adds along the row's contiguous bytes.
 tinygrad's heuristic then also upcasts the output rows by 4 (x is broadcast along them), giving 4 x 16 accumulators,
-and clang's SLP vectorizer vectorizes across the 4 rows instead, with one byte insert per element (measured: a Q8_0
-GEMV at 2.9 GB/s on one core, without the row upcast 13.8 GB/s; Q4_1, Q5_0, Q4_K and Q6_K 1.5-3.6x faster). So when a
+and clang's SLP vectorizer vectorizes across the 4 rows instead, with one byte insert per element where a row's run of
+bytes would be one vector load (every packed format measured, Q8_0, Q4_1, Q5_0, Q4_K and Q6_K, lost by it). So when a
 kernel keeps at least `LANES` accumulators from its unrolled reduce alone, the heuristic's upcasts along axes where
 the weight (the largest buffer) moves are dropped; its other choices (the unroll, the split over cores, an upcast over
 tokens, which reuses each weight) are kept, and the block's small axes inside the lanes are unrolled as well
 (`_unroll_lanes`).
 
-GEMM (a prefill chunk): `layers.Linear` dequantizes the weight once into a float32 `[in, out]` buffer. For a kernel
-contracting such a weight (contiguous along its one output axis) with tokens along another output axis, the heuristic
-builds dot products along the reduce axis (~20-36 GFLOP/s on 2 cores for qwen2.5's ffn). Instead each iteration here
-holds a group of tokens x outputs (a vector per token, one weight load for a multiply-add per token), the
-accumulators filling about half the vector registers: 8 tokens x 16 outputs where there are 32 (AVX-512, NEON; ~64
-GFLOP/s on 2 AVX-512 cores for qwen2.5's and smollm2's chunk GEMMs, 4 tokens: 34-57), 4 x 16 where there are 16
-256-bit ones (AVX2: two ymm of outputs per token, so each multiply-add needs half a broadcast where 8 x 8 needed one).
+GEMM (a prefill chunk): nn/layers.py's `Linear` dequantizes the weight once into a float32 `[in, out]` buffer. For a
+kernel contracting such a weight (contiguous along its one output axis) with tokens along another output axis, the
+heuristic builds dot products along the reduce axis. Instead each iteration here holds a group of tokens x outputs (a
+vector per token, one weight load for a multiply-add per token), the accumulators filling about half the vector
+registers: 8 tokens x 16 outputs where there are 32 (AVX-512, NEON; on AVX-512, 8 tokens beat 4 on qwen2.5's and
+smollm2's chunk GEMMs, each weight load serving twice the tokens), 4 x 16 where there are 16 256-bit ones (AVX2: two
+ymm of outputs per token, so each multiply-add needs half a broadcast where 8 x 8 needed one).
 tinygrad coalesces float accesses into at most 4 floats, from which clang builds 128-bit multiply-adds; on CPUs with
 256-bit vectors `_wide_access` joins adjacent ones into 8, and the accumulators live in ymm registers.
 
@@ -30,12 +30,12 @@ from tinygrad import dtypes
 from tg_ds4.backend.cpu import compiler
 from tg_ds4.backend.gpu import kernel_opts as gpu_kernel_opts
 from tg_ds4.backend.gpu.kernel_opts import NESTED, weight_operand
-from tg_ds4.compat import AxisType, ClangRenderer, KernelOptError, Opt, OptOps, Ops, PatternMatcher, Scheduler, UOp, UPat, codegen, graph_rewrite, \
-  heuristic, prod, remove_all_tags, worker
+from tg_ds4.backend.compat import AxisType, ClangRenderer, KernelOptError, Opt, OptOps, Ops, PatternMatcher, Scheduler, UOp, UPat, codegen, \
+  graph_rewrite, heuristic, prod, remove_all_tags, worker
 
 LANES = 16
 # a packed format whose lane axis is shorter than LANES (IQ2_XXS: a grid row of 8) still gains from dropping the row
-# upcast: 8 accumulators per row fill a 256-bit vector (V4's IQ2_XXS experts ~2x faster, /tmp microbench)
+# upcast: 8 accumulators per row fill a 256-bit vector (as measured on V4's IQ2_XXS experts)
 PACKED_MIN_LANES = 8
 GEMV_SMALL_AXIS, GEMV_MAX_UNROLL = 4, 32  # layout axes up to this size are unrolled in a GEMV, up to this many products
 GEMV_ROWS = 4  # rows of x a packed GEMV holds in registers at once: 4 x LANES accumulators, half of AVX2's 16 vector registers
@@ -60,7 +60,7 @@ class VectorUnit:
 
   @property
   def panel(self) -> int:
-    """Outputs per panel of a prefill GEMM's unpacked weight (quant.panel_gemm): a GEMM iteration's outputs, or on AVX2
+    """Outputs per panel of a prefill GEMM's unpacked weight (quant/formats.py's panel_gemm): a GEMM iteration's outputs, or on AVX2
     one ymm of them, two panels an iteration (16-float panels slowed the transposing unpack, and changed how the
     chunk's MLA query concatenation, which reads a panel GEMM's output, is split)."""
     return 8 if self.floats == 8 and self.registers < 32 else self.gemm[1]
@@ -93,15 +93,15 @@ def _lanes_first(k: Scheduler, out: Scheduler) -> Scheduler:
 def _unroll_lanes(k: Scheduler) -> Scheduler:
   """A GEMV's small layout axes unrolled inside the lanes (a Q4_1 block's two nibbles): the heuristic unrolls only the
   lane axis and loops over the nibble with a variable shift. Unrolled, each iteration is straight-line code over
-  both nibbles with constant shifts (smollm2's Q4_1 gate|up 266 -> ~190 us per core). The sum order is unchanged."""
+  both nibbles with constant shifts, with no loop counter or shift amount to compute. The sum order is unchanged."""
   if prod(k.full_shape[a] for a in k.axes_of(AxisType.UNROLL)) < LANES: return k
   alt = k.copy()
   while alt.unrollable_dims and isinstance(n := alt.full_shape[alt.unrollable_dims[-1]], int) and n <= GEMV_SMALL_AXIS and \
       prod(alt.full_shape[a] for a in alt.axes_of(AxisType.UNROLL)) * n <= GEMV_MAX_UNROLL:
     try: alt.apply_opt(Opt(OptOps.UNROLL, len(alt.unrollable_dims) - 1, 0))
     except KernelOptError: return k
-  # a block's values that share a lane, summed before the block's scale (quant.linear's affine GEMV), are a reduce nested
-  # in the blocks' loop: looped, their 16 partial sums go through memory (a Q8_0 GEMV 4x slower than unrolled)
+  # a block's values that share a lane, summed before the block's scale (quant/formats.py's affine `linear`), are a reduce
+  # nested in the blocks' loop: looped, their 16 partial sums go through memory each block instead of staying in registers
   for i in reversed(range(len(alt.unrollable_dims))):
     ax = alt.unrollable_dims[i]
     if isinstance(n := alt.full_shape[ax], int) and n <= GEMV_SMALL_AXIS and _nested_reduce(alt, ax) and \
@@ -142,7 +142,7 @@ def _gemm_on(k: Scheduler, weight: UOp, others: list[UOp]) -> Scheduler | None:
   # (the other operand of the product is the input indexed by the reduce axis too; a residual added after is not)
   xs = [b.src[1].get_idx().backward_slice for b in others if k.rngs[k.unrollable_dims[0]] in b.src[1].get_idx().backward_slice]
   batch = [a for a in ws if a not in o and any(k.rngs[a] in x for x in xs)]
-  # a `[in, out]` weight has that one output axis; a panel copy (`[out / n, in, n]`, quant.panel_gemm) a second, the
+  # a `[in, out]` weight has that one output axis; a panel copy (`[out / n, in, n]`, quant/formats.py's panel_gemm) a second, the
   # panel, which is then the axis split over the cores
   if len(t) != 1 or len(o) != 1 or len(ws) - len(batch) > 2: return None
   (o,), (t,), (tokens, vec) = o, t, CPU.gemm
@@ -176,7 +176,7 @@ def _stride1(b: UOp, k: Scheduler) -> list[int]:
 def _transposing_unpack(k: Scheduler) -> Scheduler | None:
   """Unpacking a weight into a float32 buffer transposed (`[in, out]`, for the GEMM): the heuristic sweeps all rows
   per few values, reading one byte per row each time. 16 output rows by a whole run of the packed bytes per
-  iteration reads every byte once and writes 64-byte runs (a 9728x896 Q5_0 weight: 6.5 -> 3.6 ms on 2 cores)."""
+  iteration reads every byte once and writes 64-byte runs."""
   packed = [b for b in k.bufs if b.src[0].dtype.itemsize == 1]
   # (a kernel may have no axes at all, a scalar one; or symbolic sizes, from a captured step's position)
   if k.unrollable_dims or not packed or not k.full_shape or not _ints(k, range(len(k.full_shape))): return None
@@ -192,11 +192,12 @@ def _transposing_unpack(k: Scheduler) -> Scheduler | None:
   return alt
 
 def _rows_first(k: Scheduler) -> Scheduler:
-  """A packed GEMV over a few rows of x (a batched decode step, rows.py): the rows' axis upcast whole before the
+  """A packed GEMV over a few rows of x (a batched decode step, nn/cache_rows.py): the rows' axis upcast whole before the
   heuristic's own choices, so each unpacked weight value feeds every row from registers and the split over the cores
   goes to the weight's rows. Left to itself the heuristic upcasts only axes of 3 or 4 and splits the first axis it can
-  over the cores: 2 rows of smollm2's gate|up then ran one row per core, each core unpacking the whole weight (1.1 ms,
-  against 0.39 ms for 4 rows upcast). Kernels without such an axis (every one-token kernel) are untouched."""
+  over the cores: 2 rows of smollm2's gate|up then ran one row per core, each core unpacking the whole weight, where
+  with the rows upcast each core unpacks only its share of it once for all rows. Kernels without such an axis (every
+  one-token kernel) are untouched."""
   if k.reduceop is None or not k.unrollable_dims or (weight := weight_operand(k)).src[0].dtype.itemsize != 1: return k
   idx = weight.src[1].get_idx().backward_slice
   rows = [a for a in k.upcastable_dims if k.rngs[a] not in idx and isinstance(n := k.full_shape[a], int) and 1 < n <= GEMV_ROWS]
@@ -234,7 +235,7 @@ def _wide_access(sink: UOp) -> UOp:
   every device, and clang then builds 128-bit multiply-adds even where the CPU has 256-bit ones; given 8-float
   stores of the chunk GEMM's outputs and 8-float loads of its weight row, it vectorizes the accumulators in ymm
   registers. Offsets must divide by 8 as buffers are 32-byte aligned (tinygrad allocates whole pages and plans its
-  arenas in 256-byte blocks; `gguf` copies a misaligned mapped tensor)."""
+  arenas in 256-byte blocks; io/gguf.py copies a misaligned mapped tensor)."""
   found: dict[tuple, UOp] = {}
   users: collections.defaultdict[UOp, list[UOp]] = collections.defaultdict(list)
   for u in sink.toposort():
@@ -270,7 +271,7 @@ def _reduce_terms_last(x: UOp) -> UOp | None:
   """An int address `a + r*s + b + c` with `r` a reduce loop and `c` a constant -> `a + b + r*s + c`. clang's SLP vectorizer joins the loads of
   `addr+1`, `addr+2`, ... into one vector load only if it can prove them consecutive after sign extension, which LLVM's
   reassociation of a loop-invariant term past the loop's own one breaks: the Q8_0 bytes of V4's grouped output LoRA
-  were then loaded one `vpinsrb` at a time (3x slower than the same GEMV ungrouped). Terms keep their order otherwise,
+  were then loaded one `vpinsrb` at a time, where the same GEMV ungrouped loads them as vectors. Terms keep their order otherwise,
   the inner loop's last, so nothing is reassociated."""
   if x.dtype not in (dtypes.int, dtypes.long) or x.src[0].op is not Ops.ADD: return None
   terms = list(x.split_uop(Ops.ADD))

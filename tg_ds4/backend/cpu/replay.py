@@ -1,23 +1,24 @@
-"""A captured step's native, multi-core replay on the CPU device (`fast`, used by jit.Jit for CPU models).
+"""A captured step's native, multi-core replay on the CPU device (`fast`, used by runtime/jit.py's Jit for CPU models).
 
 tinygrad 0.14's CPU device has no graph executor: a replayed TinyJit walks its captured calls in Python, resolving
-buffers, symbolic sizes and statistics for every kernel (~23 us each, ~9 ms of a 400-kernel decode step), and it calls
-the parts of a kernel that tinygrad split over cores (the THREAD opt, one call per `core_id`) one after another, so a
-step uses one core. After capture, `Jit` hands runs of plain CPU kernels to `cpu_runner.c`: the same compiled
-functions with the same arguments, buffer addresses resolved once, the parts of a split kernel shared by one thread
-per core. Per call only the JIT's input buffers and the symbolic values (the position) are looked up. Anything that is
-not a plain CPU kernel goes through tinygrad's executor as before, and so does everything under DEBUG >= 2 or PROFILE
-(per-kernel timing). GlobalCounters are kept as tinygrad keeps them. `TG_DS4_FAST_REPLAY=0` turns it off;
-`TG_DS4_THREADS` sets the thread count (default: tinygrad's NUM_CPU_THREADS, the parts a kernel is split into)."""
+buffers, symbolic sizes and statistics for every kernel (Python work repeated for each of a decode step's hundreds of
+kernels, every step), and it calls the parts of a kernel that tinygrad split over cores (the THREAD opt, one call per
+`core_id`) one after another, so a step uses one core. After capture, `Jit` hands runs of plain CPU kernels to
+`cpu_runner.c`: the same compiled functions with the same arguments, buffer addresses resolved once, the parts of a
+split kernel shared by one thread per core. Per call only the JIT's input buffers and the symbolic values (the
+position) are looked up. Anything that is not a plain CPU kernel goes through tinygrad's executor as before, and so
+does everything under DEBUG >= 2 or PROFILE (per-kernel timing). GlobalCounters are kept as tinygrad keeps them.
+`TG_DS4_FAST_REPLAY=0` turns it off; `TG_DS4_THREADS` sets the thread count (default: tinygrad's NUM_CPU_THREADS, the
+parts a kernel is split into)."""
 from __future__ import annotations
 
 import collections, ctypes, functools, hashlib, os, pathlib, subprocess, tempfile
 from dataclasses import dataclass
 
-from tg_ds4.compat import (DEBUG, MAX_ARGS, NUM_CPU_THREADS, PROFILE, CapturedJit, CPUProgram, ExecContext, GlobalCounters, Ops, UOp,
+from tg_ds4.backend.compat import (DEBUG, MAX_ARGS, NUM_CPU_THREADS, PROFILE, CapturedJit, CPUProgram, ExecContext, GlobalCounters, Ops, UOp,
                            _copy_input, _resolve, estimate_uop, get_call_arg_uops, get_runtime, perf_counter_us, pm_exec, to_tuple,
                            track_stats)
-from tg_ds4.registry import cache_dir
+from tg_ds4.backend.cache import cache_dir
 
 
 def engine_threads() -> int:
@@ -49,7 +50,7 @@ def _is_input(b: UOp) -> bool: return b.op is Ops.PARAM or any(_is_input(s) for 
 def _extent(b: UOp, dev: str) -> tuple[int, int]:
   """A kernel argument's address and size in bytes. The memory plan's views (a BITCAST of a SHRINK of its byte arena,
   by constants) are the arena's address plus the offset; anything else goes through tinygrad (`UOp.buffer` builds
-  each view with a graph rewrite, ~0.4 s over a step's thousand arguments on its first call)."""
+  each view with a graph rewrite, slow over a step's thousand arguments on its first call)."""
   v = b.src[0] if b.op is Ops.BITCAST else b
   if v.op is Ops.SHRINK and (base := v.src[0]).op is Ops.BUFFER and all(s.op is Ops.CONST and isinstance(s.arg, int) for s in v.src[1:3]):
     return base.buffer.ensure_allocated().get_buf(dev).va_addr + v.src[1].arg * base.dtype.itemsize, v.src[2].arg * base.dtype.itemsize
@@ -84,8 +85,8 @@ class _Segment:
 
 class _Estimate:
   """A sum of per-kernel estimates, some symbolic in the position, summed as a constant plus each distinct symbolic term
-  times its count (layers repeat the same kernels, so few distinct terms): the naive sum of every kernel's term took
-  ~0.4 s to simplify on a step's first call. Built once; each call evaluates one compiled expression."""
+  times its count (layers repeat the same kernels, so few distinct terms): the naive sum of every kernel's term was
+  slow to simplify on a step's first call. Built once; each call evaluates one compiled expression."""
   def __init__(self): self.const, self.terms, self.expr = 0, collections.Counter(), None
   def add(self, x):
     if isinstance(x, int): self.const += x

@@ -16,10 +16,10 @@ unpacks a weight byte once for every row (left to tinygrad, each thread walked w
 keeps tinygrad's choices. (Measured on an H200: README, GPU.)"""
 from __future__ import annotations
 
-from tg_ds4.compat import AxisType, KernelOptError, Opt, OptOps, Ops, Scheduler, prod
+from tg_ds4.backend.compat import AxisType, KernelOptError, Ops, Opt, OptOps, Scheduler, prod
 
 THREADS, WORKGROUP = 32, 128  # threads per row at most (the grouped axis must divide by it), threads per workgroup
-ROWS = 8                      # a token axis this long is a batched step's rows (runner.BATCHES); longer, a prefill chunk
+ROWS = 8                      # a token axis this long is a batched step's rows (runtime/runner.py's BATCHES); longer, a prefill chunk
 NESTED = (AxisType.REDUCE, AxisType.UNROLL, AxisType.GROUP_REDUCE)
 
 def weight_operand(k: Scheduler):  # the operand that streams from memory: the largest buffer (both heuristics)

@@ -1,0 +1,58 @@
+"""Host and device memory without the scheduler: reading a CPU buffer in place, copying an array onto a device as one
+buffer, writing a large buffer in bounded pieces, and zero buffers that cost no kernel. A model load makes dozens of
+these; going through tinygrad's graph for each would schedule and lower a kernel every time."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from tinygrad import Tensor, UOp
+
+from tg_ds4.backend.compat import Buffer, BufferSpec, Ops, _from_np_dtype, _to_np_dtype, copy_in, prod
+
+def host_copy(t: Tensor) -> np.ndarray | None:
+  """A CPU tensor that is all of a realized buffer (reshaped at most), as a numpy copy, read in place without lowering a
+  kernel (a warm start lowers nothing); None for anything else (a view, a lazy value, another device). tinygrad's own
+  read (`numpy()`, `item()`) goes through a copy program, Python work per call that a small model's decode step
+  would pay again each time the sampled token is read back."""
+  u = t.uop
+  while u.op is Ops.RESHAPE: u = u.src[0]
+  if u.op is not Ops.BUFFER or not u.is_realized or not str(t.device).startswith("CPU") or u.buffer.nbytes != t.nbytes(): return None
+  return np.frombuffer(u.buffer.as_memoryview(allow_zero_copy=True), _to_np_dtype(t.dtype)).reshape(t.shape).copy()
+
+def host_array(t: Tensor) -> np.ndarray:
+  """`t.numpy()`, read in place where `host_copy` can."""
+  return a if (a := host_copy(t)) is not None else t.numpy()
+
+def host_tensor(a: np.ndarray, device: str) -> Tensor:
+  """`a` as a realized tensor on `device` by one buffer copy: no graph is scheduled or lowered (`Tensor(a).realize()`
+  schedules and lowers one each time, and a load makes dozens)."""
+  a = np.ascontiguousarray(a)
+  buf = Buffer(device, a.size, _from_np_dtype(a.dtype)).ensure_allocated()
+  copy_in(buf, memoryview(a.reshape(-1)).cast("B"))
+  return Tensor(UOp.from_buffer(buf)).reshape(a.shape)
+
+UPLOAD_PIECE = 64 << 20  # host bytes per copy onto a device: a load never holds a host copy of a whole weight or cache
+
+def device_buffer(device: str, size: int, dtype, fill: Callable[[memoryview, int], None] | None = None) -> Buffer:
+  """A realized buffer of `size` elements on `device`, written in pieces of at most UPLOAD_PIECE bytes through one host
+  staging buffer: `fill(piece, offset)` writes the bytes from byte `offset` into `piece`; without it, zeros. Loading
+  onto a GPU thus holds the device copy and one piece on the host, not a second copy of the file (tinygrad's own
+  disk-to-device copy maps the whole file and touches every page of it)."""
+  buf, nbytes = Buffer(device, size, dtype).ensure_allocated(), size * dtype.itemsize
+  step = UPLOAD_PIECE // dtype.itemsize * dtype.itemsize
+  stage = np.zeros(min(nbytes, step), np.uint8)
+  for off in range(0, nbytes, step):
+    piece = memoryview(stage)[:min(step, nbytes - off)]
+    if fill is not None: fill(piece, off)
+    dst = buf if len(piece) == nbytes else buf.view(len(piece) // dtype.itemsize, dtype, off).ensure_allocated()
+    dst.copy_from(Buffer("PYTHON", len(piece) // dtype.itemsize, dtype, opaque=piece.cast("B")))
+  return buf
+
+def zeros(shape: tuple[int, ...], dtype, device: str) -> Tensor:
+  """A realized zero tensor (a cache) without a kernel. On the CPU a `zero` buffer is fresh anonymous memory, zero by the
+  OS (tinygrad never hands it out of its reuse cache), and its pages stay unmapped until written: a cache's unused
+  context costs no memory. Elsewhere zeros copied in bounded pieces (device_buffer)."""
+  if not str(device).startswith("CPU"): return Tensor(UOp.from_buffer(device_buffer(device, prod(shape), dtype))).reshape(shape)
+  buf = Buffer(device, prod(shape), dtype, options=BufferSpec(zero=True)).ensure_allocated()
+  return Tensor(UOp.from_buffer(buf)).reshape(shape)

@@ -1,0 +1,107 @@
+"""The one seam between tg_ds4 and tinygrad's internals: every tinygrad name used beyond the package's public exports
+(`from tinygrad import Tensor, UOp, ...`) is imported here and nowhere else, and the release they were written against
+is checked here.
+
+Two groups. The graph and buffer internals (Buffer, Ops, the JIT's capture, dtype conversions) are what any device
+needs; they have been stable across releases and a change there is an error at import. The CPU machinery's
+(backend/cpu: the kernel heuristic patches tinygrad's codegen, the native replay calls compiled CPU programs itself)
+are used only when a model is loaded for the CPU, and only on the release below: on another one, or when they cannot
+be imported, both stay off (one warning) and the stock tinygrad path runs, slower on the CPU, never wrong.
+`TG_DS4_KERNEL_OPTS=0` and `TG_DS4_FAST_REPLAY=0` turn each off by hand. Nothing here patches anything:
+backend.prepare_device does, when a model is loaded for a CPU renderer, never on import."""
+import contextlib, functools, importlib.metadata, logging, os, sqlite3, threading
+
+# graph and buffer internals, for every device
+from tinygrad.device import Buffer, BufferSpec, Compiler  # noqa: F401
+from tinygrad.dtype import DType, _from_np_dtype, _to_np_dtype  # noqa: F401
+from tinygrad.engine import realize  # noqa: F401  (profile times kernels through realize.track_stats)
+from tinygrad.engine.jit import CapturedJit, JitError, _copy_input, _TinyJit  # noqa: F401
+from tinygrad.function import function  # noqa: F401
+from tinygrad.renderer import Estimates  # noqa: F401
+from tinygrad.helpers import DEBUG, NUM_CPU_THREADS, PARALLEL, PROFILE, ContextVar, GlobalCounters, perf_counter_us, prod, to_tuple  # noqa: F401
+from tinygrad.uop.ops import AxisType, KernelInfo, Ops, PatternMatcher, UOp, UPat, buffers, graph_rewrite, remove_all_tags, sym_infer  # noqa: F401
+
+# the CPU machinery's (backend/cpu), used only when internals_match()
+try:
+  import tinygrad.codegen as codegen  # noqa: F401
+  from tinygrad import helpers as tinygrad_helpers  # noqa: F401  (its compile cache's database connection)
+  from tinygrad.codegen.opt import KernelOptError, Opt, OptOps, heuristic  # noqa: F401
+  from tinygrad.codegen.opt.postrange import Scheduler  # noqa: F401
+  from tinygrad.engine import worker  # noqa: F401
+  from tinygrad.engine.realize import ExecContext, _resolve, estimate_uop, get_call_arg_uops, get_runtime, pm_exec, track_stats  # noqa: F401
+  from tinygrad.renderer.cstyle import ClangRenderer  # noqa: F401
+  from tinygrad.runtime.ops_cpu import MAX_ARGS, CPUProgram  # noqa: F401
+  from tinygrad.runtime.support.compiler_cpu import ClangCompiler  # noqa: F401
+  _CPU_IMPORT_ERROR: str | None = None
+except (ImportError, AttributeError) as e:  # another release moved something
+  _CPU_IMPORT_ERROR = str(e)
+
+TINYGRAD = "0.14.0"  # the release the internals below were written against (pyproject pins it)
+
+@functools.cache
+def internals_match() -> bool:
+  if (v := importlib.metadata.version("tinygrad")) == TINYGRAD and _CPU_IMPORT_ERROR is None: return True
+  if v == TINYGRAD:
+    logging.getLogger("tg_ds4").warning("tinygrad %s: %s; tg_ds4's CPU kernel heuristic and native replay are off, stock tinygrad runs",
+                                        v, _CPU_IMPORT_ERROR)
+    return False
+  logging.getLogger("tg_ds4").warning("tinygrad %s is installed, tg_ds4's CPU kernel heuristic and native replay were written for %s: "
+                                      "both are off, stock tinygrad runs", v, TINYGRAD)
+  return False
+
+def kernel_opts_on() -> bool: return os.environ.get("TG_DS4_KERNEL_OPTS", "1") != "0" and internals_match()
+
+def per_thread_compile_cache() -> None:
+  """tinygrad opens its compile cache's sqlite database once a process and sqlite refuses a connection's use from
+  another thread: a kernel compiled in serve's worker thread (one new kernel, or every kernel under PARALLEL=0) failed
+  the request with ProgrammingError once the main thread had opened it. One connection a thread, opened the way tinygrad
+  opens its own. Idempotent; nothing on another release."""
+  if not internals_match() or getattr(tinygrad_helpers.db_connection, "per_thread", False): return
+  local = threading.local()
+  def db_connection():
+    if (conn := getattr(local, "conn", None)) is None:
+      os.makedirs(os.path.dirname(tinygrad_helpers.CACHEDB), exist_ok=True)
+      conn = local.conn = sqlite3.connect(tinygrad_helpers.CACHEDB, timeout=60, isolation_level="IMMEDIATE")
+      with contextlib.suppress(sqlite3.OperationalError): conn.execute("PRAGMA journal_mode=WAL").fetchone()
+      conn.execute("PRAGMA synchronous=NORMAL")
+    return conn
+  db_connection.per_thread = True
+  tinygrad_helpers.db_connection = db_connection
+
+def release_freed_buffers(device: str) -> None:
+  """Hand the buffers freed so far back to the system: tinygrad's allocator keeps freed buffers for reuse by size, and a
+  load that replaces in-memory weights (stacked q|k|v or gate|up rows of a quantized checkpoint) would otherwise keep
+  the replaced ones. Nothing to do if the allocator has no such cache."""
+  from tinygrad import Device
+  if internals_match() and callable(free := getattr(Device[device].allocator, "free_cache", None)): free()
+
+def copy_in(buf: Buffer, data: memoryview) -> None:
+  """Host bytes into an allocated buffer of the same size. On the CPU the allocator's own copy (a memcpy); elsewhere, or
+  on another release, tinygrad's copy op (slower: it runs through the executor)."""
+  if internals_match() and str(buf.device).startswith("CPU") and buf._base is None and callable(getattr(buf.allocator, "_copyin", None)):
+    buf.allocator._copyin(buf._buf, data)
+  else: buf.copy_from(Buffer("PYTHON", buf.size, buf.dtype, opaque=data))
+
+def fast_replay_on() -> bool: return os.environ.get("TG_DS4_FAST_REPLAY", "1") != "0" and internals_match()
+
+def lowering_target(dev: str) -> None:
+  """Make a NULL-device GPU target (`DEV=NULL:<renderer>[:<arch>]`: scheduled and lowered, nothing runs) lowerable on
+  a machine with no GPU and no vendor toolkit; call before tinygrad opens the device. CUDA compiles with NVRTC from
+  NVIDIA's PyPI wheel (nvidia-cuda-nvrtc-cu12, a test dependency), found through NVRTC_PATH, tinygrad's own override.
+  Metal's compiler loads macOS frameworks, so elsewhere a stand-in whose "binary" is the Metal source takes its place:
+  the renderer, which decides the kernels, is Metal's own. Other targets need nothing."""
+  parts = dev.upper().split(":")
+  if parts[0] != "NULL" or len(parts) < 2: return
+  if parts[1] == "CUDA" and not os.environ.get("NVRTC_PATH"):
+    import importlib.util, pathlib
+    if (spec := importlib.util.find_spec("nvidia.cuda_nvrtc")) is not None and spec.submodule_search_locations:
+      libs = sorted(pathlib.Path(next(iter(spec.submodule_search_locations)), "lib").glob("libnvrtc.so*"))
+      if libs: os.environ["NVRTC_PATH"] = str(min(libs, key=lambda p: len(p.name)))
+  if parts[1] == "METAL":
+    try: import tinygrad.runtime.ops_metal  # noqa: F401  (macOS: the real compiler)
+    except Exception:  # noqa: BLE001  (it loads libobjc / Metal frameworks at import)
+      import sys, types
+      class MetalSourceCompiler(Compiler):
+        def __init__(self): super().__init__(None)
+        def compile(self, src: str) -> bytes: return src.encode()
+      sys.modules["tinygrad.runtime.ops_metal"] = types.SimpleNamespace(MetalCompiler=MetalSourceCompiler)

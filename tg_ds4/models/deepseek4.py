@@ -1,0 +1,489 @@
+"""DeepSeek V4 (GGUF arch `deepseek4`): hyper-connection streams, MQA over one shared KV row with attention sinks, a
+sliding window of raw rows plus time-compressed rows (ratio-4 layers with overlapping windows and a top-k indexer,
+ratio-128 layers), grouped output LoRA, and a MoE with hash routing in the first layers and clamped SwiGLU experts.
+
+Per layer the math follows transformers' deepseek_v4 and llama.cpp's deepseek4 graph (which agree to float rounding):
+  * the residual is `hc` streams `[B, T, hc, D]`. Each sublayer reads `sum_j pre_j x_j` and writes
+    `x'_k = post_k y + sum_j comb[j, k] x_j`, with pre/post/comb from one projection of the rms-normed streams and comb
+    made doubly stochastic by Sinkhorn iterations; the head collapses the streams the same way (pre weights only);
+  * q: low-rank `attn_q_a` -> norm -> `attn_q_b`, then a weightless per-head RMS norm; one KV row `norm(attn_kv x)`
+    serves as K and V for every head; RoPE (NORM pairing) rotates the last `rope.dim` dims only, and since V carries it,
+    the attention output is rotated back by the query position. Layers with compression use the compress RoPE base
+    with YaRN (its magnitude factor cancelled to 1), the others plain RoPE;
+  * the softmax has a learned per-head sink logit (a denominator term with no value);
+  * keys: the raw rows of the last `window` positions and every compressed row whose window is complete. A compressed
+    row pools a window of `ratio` tokens: softmax over the tokens (per channel) of `gate x + ape[pos % ratio]`
+    weighting `kv x`, then an RMS norm and RoPE at the window's first position. Ratio-4 layers project to two halves
+    and pool 8 tokens: the previous window's first half with the current window's second half. There, an indexer with
+    its own compressed keys scores `sum_h w_h relu(q_h . k)` and only the top-k rows are attended.
+
+Cache, all device tensors written inside the graph, so one TinyJit-captured decode step with a symbolic `start_pos`
+serves every position and its cost is O(window + compressed rows so far):
+  * raw ring: `window + PREFILL_CHUNK` slots, position p in slot p % slots. The ring is written before attention reads
+    it and every read goes through the store (`after`), so a chunk never needs the pre-chunk contents: the slack keeps
+    the whole window of the chunk's first query alive. The position each slot holds follows from the last position
+    written, so masks are arithmetic on `start_pos`, not stored state;
+  * compressor state: the same kind of ring of per-token `[kv | score]` projections, holding the previous window (ratio
+    4), the pending one and a chunk;
+  * compressed rows: a linear cache, row w = window w. A step (or chunk) always computes the candidate row of every
+    window its tokens touch from the post-store state ring and stores it: a window that is not complete yet gets a
+    provisional row that no query can see (row w is visible from position (w+1)*ratio-1 on) and that is rewritten with
+    the final value by the step that completes the window. So compression needs no data-dependent branch, and the
+    shapes depend only on the chunk length; the rows read are `[0, start_pos // ratio + candidates)`, a symbolic length;
+  * the indexer top-k is a threshold search (see `topk_mask`), linear in the number of rows.
+The slack also makes re-running from up to PREFILL_CHUNK positions back exact (padded prefill chunks rely on it).
+MTP tensors (`nextn_predict_layers`) are ignored."""
+from __future__ import annotations
+
+import functools, math
+from dataclasses import dataclass
+
+import numpy as np
+from tinygrad import Tensor, UOp, dtypes
+
+from tg_ds4.backend.compat import DType, function
+from tg_ds4.config import Gating, RopeConfig, RopeType
+from tg_ds4.io.gguf import GGUFError, GGUFFile
+from tg_ds4.nn.layers import Embedding, Linear, Param, Params, RMSNorm, load_weights, matmul, matmul_input
+from tg_ds4.nn.moe import MoE
+from tg_ds4.nn.rope import apply_rope, rope_table
+from tg_ds4.nn.topk import NEG, arange, topk_mask
+from tg_ds4.quant import activations, precision
+from tg_ds4.quant.formats import QTensor, Weight, as_tensor, dot_lanes, linear
+
+POS_BASE = 2048  # the raw ring's position columns: every integer below it is exact in float16
+POS_COLS = 16    # columns after each raw row: its position in the first two, zeros after. A row stride of D + 16 keeps
+                 # every row 16-float aligned (with D + 2 the attention kernels read keys only two floats at a time)
+
+@dataclass(frozen=True)
+class DS4Config:
+  n_layer: int
+  dim: int
+  n_vocab: int
+  n_head: int
+  head_dim: int                     # the shared K=V row and each query head
+  norm_eps: float
+  ctx_len: int
+  rope: RopeConfig                  # layers without compression
+  rope_comp: RopeConfig             # compressed layers, compressed rows and the indexer: compress base + YaRN
+  q_lora_rank: int
+  o_groups: int
+  o_lora_rank: int
+  window: int                       # raw rows each query sees, itself included
+  compress_ratios: tuple[int, ...]  # per layer: 0, 4 (overlapping windows + indexer) or 128
+  idx_n_head: int
+  idx_head_dim: int
+  idx_top_k: int
+  hc: int                           # hyper-connection streams
+  hc_iters: int                     # Sinkhorn iterations
+  hc_eps: float
+  n_expert: int
+  n_expert_used: int
+  n_expert_shared: int
+  expert_ff_dim: int
+  n_hash_layer: int                 # the first layers route by `ffn_gate_tid2eid[token]`
+  expert_weights_norm: bool
+  expert_weights_scale: float
+  swiglu_clamp: tuple[float, ...]   # per layer, routed experts
+  swiglu_clamp_shexp: tuple[float, ...]
+  expert_bias: tuple[bool, ...] = ()  # per layer: the router's selection bias `exp_probs_b` (told by the file's tensors)
+  gating: Gating = Gating.SQRT_SOFTPLUS
+  n_expert_group: int = 1           # (nn/moe.py's MoE reads these; V4 has no expert groups)
+  n_expert_group_used: int = 1
+
+  @staticmethod
+  def from_gguf(gf: GGUFFile) -> DS4Config:
+    def key(name, default=None):
+      if (v := gf.get(f"deepseek4.{name}", default)) is None: raise GGUFError(f"{gf.path}: missing metadata key deepseek4.{name}")
+      return v
+    n_layer = int(key("block_count")) - int(key("nextn_predict_layers", 0))
+    per_layer = lambda v: tuple(float(x) for x in v[:n_layer]) if isinstance(v, list) else (float(v),) * n_layer
+    head_dim, rope_dim = int(key("attention.key_length")), int(key("rope.dimension_count"))
+    if int(key("attention.value_length", head_dim)) != head_dim: raise GGUFError(f"{gf.path}: deepseek4 needs value_length == key_length")
+    ratios = tuple(int(r) for r in key("attention.compress_ratios"))
+    if len(ratios) < n_layer or any(r not in (0, 4, 128) for r in ratios[:n_layer]):
+      raise GGUFError(f"{gf.path}: deepseek4.attention.compress_ratios {list(ratios)} must give 0, 4 or 128 for each of {n_layer} layers")
+    if (g := int(key("expert_gating_func", Gating.SQRT_SOFTPLUS))) != Gating.SQRT_SOFTPLUS:
+      raise GGUFError(f"{gf.path}: deepseek4 expects sqrt-softplus expert gating, got gating function {g}")
+    tokens = gf.get("tokenizer.ggml.tokens")
+    n_vocab = gf.get("deepseek4.vocab_size") or (len(tokens) if tokens else None) or gf.infos["token_embd.weight"].shape[0]
+    factor = float(key("rope.scaling.factor", 0.0) or 0.0)
+    yarn = key("rope.scaling.type", "none") == "yarn" and factor > 1.0
+    # compressed layers: compress base with YaRN; llama.cpp passes attn_factor 1/(1 + 0.1 ln factor), which cancels the
+    # magnitude boost of its YaRN rope (rope_table applies the same boost), as the reference does without mscale
+    orig_ctx = int(key("rope.scaling.original_context_length", 0) or key("context_length", 4096))
+    rope_comp = RopeConfig(rope_dim, float(key("attention.compress_rope_freq_base")), RopeType.NORM, 1.0 / factor if yarn else 1.0,
+                           1.0 if yarn else 0.0, 1.0 / (1.0 + 0.1 * math.log(factor)) if yarn else 1.0, orig_ctx,
+                           float(key("rope.scaling.yarn_beta_fast", 32.0)), float(key("rope.scaling.yarn_beta_slow", 1.0)))
+    clamp = per_layer(key("swiglu_clamp_exp", 0.0))
+    return DS4Config(
+      n_layer=n_layer, dim=int(key("embedding_length")), n_vocab=int(n_vocab), n_head=int(key("attention.head_count")), head_dim=head_dim,
+      norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)), ctx_len=int(key("context_length", 4096)),
+      rope=RopeConfig(rope_dim, float(key("rope.freq_base", 10000.0)), RopeType.NORM), rope_comp=rope_comp,
+      q_lora_rank=int(key("attention.q_lora_rank")), o_groups=int(key("attention.output_group_count")),
+      o_lora_rank=int(key("attention.output_lora_rank")), window=int(key("attention.sliding_window")), compress_ratios=ratios[:n_layer],
+      idx_n_head=int(key("attention.indexer.head_count", 0)), idx_head_dim=int(key("attention.indexer.key_length", 0)),
+      idx_top_k=int(key("attention.indexer.top_k", 0)), hc=int(key("hyper_connection.count")),
+      hc_iters=int(key("hyper_connection.sinkhorn_iterations")), hc_eps=float(key("hyper_connection.epsilon")),
+      n_expert=int(key("expert_count")), n_expert_used=int(key("expert_used_count")), n_expert_shared=int(key("expert_shared_count", 0)),
+      expert_ff_dim=int(key("expert_feed_forward_length")), n_hash_layer=int(key("hash_layer_count", 0)),
+      expert_weights_norm=bool(key("expert_weights_norm", False)), expert_weights_scale=float(key("expert_weights_scale", 0.0) or 1.0),
+      swiglu_clamp=clamp, swiglu_clamp_shexp=per_layer(gf.get("deepseek4.swiglu_clamp_shexp")) if gf.get("deepseek4.swiglu_clamp_shexp") else clamp,
+      expert_bias=tuple(f"blk.{i}.exp_probs_b.bias" in gf for i in range(n_layer)))
+
+@dataclass
+class Tables:
+  """cos/sin tables (rope.rope_table) for both RoPE kinds, and their conjugates for rotating attention outputs back."""
+  main: Tensor
+  comp: Tensor
+  main_inv: Tensor
+  comp_inv: Tensor
+
+# ---------------------------------------------------------------- helpers
+
+def rms0(x: Tensor, eps: float) -> Tensor: return x * (x.square().mean(-1, keepdim=True) + eps).rsqrt()  # RMS norm without weight
+
+def rope_tail(x: Tensor, table: Tensor, start_pos: int | UOp) -> Tensor:
+  """RoPE on the last table-width dims of `x` `[B, T, ..., D]` at positions start_pos.. (the rest passes through)."""
+  r = table.shape[-2] * 2
+  return x[..., :-r].cat(apply_rope(x[..., -r:], table, start_pos, RopeType.NORM), dim=-1)
+
+def ring_write(ring: Tensor, new: Tensor, start_pos: int | UOp) -> Tensor:
+  """Store `new` `[1, T, F]` (positions start_pos..) into the ring `[1, S, F]` (position p in slot p % S); return the
+  ring ordered after the store. One row is a one-slot store; a chunk rewrites the whole ring, each slot taking its new
+  row if the chunk covers it (a static shape whatever the wrap point)."""
+  S, T = ring.shape[1], new.shape[1]
+  if T == 1:
+    slot = start_pos % S
+    return Tensor(ring.uop.after(ring[:, slot:slot + 1].uop.store(new.cast(ring.dtype).uop)))
+  assert T <= S, f"chunk of {T} rows into a ring of {S}"
+  j = (Tensor.arange(S) + (S - start_pos % S)) % S                               # the chunk row each slot would take
+  hit = j.reshape(S, 1) == Tensor.arange(T).reshape(1, T)                         # [S, T]
+  rows = hit.unsqueeze(-1).where(new[0].unsqueeze(0), 0.0).sum(1)                 # [S, F]
+  full = (j < T).reshape(1, S, 1).where(rows.unsqueeze(0), ring).cast(ring.dtype)
+  return Tensor(ring.uop.after(ring[:, 0:S].uop.store(full.uop)))
+
+def ring_positions(S: int, last: int | UOp) -> Tensor:
+  """Position held by each of the S slots of a ring whose last write was position `last` (negative: never written)."""
+  return ((Tensor.arange(S) * -1 + (last % S + S)) % S) * -1 + last
+
+def _grouped(w: Weight, G: int) -> Weight:
+  """`[G * out, in]` weight viewed as G stacked `[out, in]` matrices (packed blocks stay packed)."""
+  if isinstance(w, QTensor): return QTensor(w.blocks.reshape(G, w.shape[0] // G, *w.blocks.shape[1:]), w.qtype, (G, w.shape[0] // G, w.shape[1]))
+  return w.reshape(G, w.shape[0] // G, w.shape[1])
+
+# ---------------------------------------------------------------- hyper-connections
+
+class HyperConn:
+  """One hyper-connection site: `{name}_fn` `[mix, hc*D]`, `{name}_scale` (one per output kind), `{name}_base` `[mix]`.
+  Sublayer sites mix pre (hc), post (hc) and comb (hc x hc, see `_hc_weights`); the head (`output_hc`) only pre."""
+  gguf_flat = True
+  def __init__(self, cfg: DS4Config, name: str, head: bool = False):
+    self.cfg, self.name, self.n_mix = cfg, name, cfg.hc if head else (2 + cfg.hc) * cfg.hc
+    setattr(self, f"{name}_fn", Linear(cfg.hc * cfg.dim, self.n_mix))
+    setattr(self, f"{name}_scale", Params(weight=Param(1 if head else 3)))
+    setattr(self, f"{name}_base", Params(weight=Param(self.n_mix)))
+
+  def _mix(self, x: Tensor) -> tuple[Tensor, bool]:
+    """`fn(rms_norm(streams))`, `[B*T, mix]`, as the projection of the raw streams with their mean square as one more
+    output of the same reduce (`[B*T, mix + 1]`, one kernel instead of two; `_rms_after` applies it), or, when
+    llama.cpp's rounding of a quantized fn's input is emulated (real files store fn F16), normalised first (flag True)."""
+    B, T, hc, D = x.shape
+    flat, w = x.reshape(B * T, hc * D), getattr(self, f"{self.name}_fn").weight
+    if isinstance(w, QTensor) and activations.rounds(w.qtype.name, str(w.device)):
+      return linear(rms0(flat, self.cfg.norm_eps), w, dtype=dtypes.float32), True
+    rows = as_tensor(w).expand(B * T, *w.shape).cat(flat.unsqueeze(1) / (hc * D), dim=1)          # [B*T, mix+1, hc*D]
+    return dot_lanes(flat.unsqueeze(1), rows).squeeze(1), False
+
+  def head(self, x: Tensor) -> Tensor:
+    """`[B, T, hc, D]` -> `[B, T, D]`: sigmoid-weighted sum of the streams."""
+    B, T, hc, _ = x.shape
+    w = _rms_after(*self._mix(x), self.cfg.norm_eps) * as_tensor(self.output_hc_scale.weight) + as_tensor(self.output_hc_base.weight)
+    w = w.sigmoid() + self.cfg.hc_eps
+    w = w.reshape(B, T, hc, 1)
+    return sum((w[:, :, j] * x[:, :, j] for j in range(1, hc)), w[:, :, 0] * x[:, :, 0])
+
+  def __call__(self, x: Tensor) -> tuple[Tensor, list[Tensor], list[list[Tensor]]]:
+    """Streams `[B, T, hc, D]` -> (sublayer input `[B, T, D]`, post[k], comb[j][k] (source j, destination k))."""
+    (B, T, hc, _), c = x.shape, self.cfg
+    w = _hc_weights(*self._mix(x), as_tensor(getattr(self, f"{self.name}_scale").weight), as_tensor(getattr(self, f"{self.name}_base").weight),
+                    hc, c.hc_iters, c.hc_eps, c.norm_eps).reshape(B, T, self.n_mix, 1)
+    pre, post = [w[:, :, j] for j in range(hc)], [w[:, :, hc + k] for k in range(hc)]
+    comb = [[w[:, :, 2 * hc + j * hc + k] for k in range(hc)] for j in range(hc)]
+    return sum((p * x[:, :, j] for j, p in enumerate(pre[1:], 1)), pre[0] * x[:, :, 0]), post, comb
+
+def _rms_after(mix: Tensor, normed: bool, eps: float) -> Tensor:
+  return mix if normed else mix[:, :-1] * (mix[:, -1:] + eps).rsqrt()
+
+@function(precompile=True)
+def _hc_weights(mix: Tensor, normed: bool, scale: Tensor, base: Tensor, hc: int, iters: int, eps: float, norm_eps: float) -> Tensor:
+  """`[N, (2 + hc) * hc]` mixes -> [pre (hc) | post (hc) | comb (hc x hc, source-major)] per token. Each weight is a
+  separate 1-D tensor, so the Sinkhorn is plain elementwise arithmetic in one kernel (as a `[.., hc, hc]` tensor every
+  normalisation would be a reduce, i.e. a kernel, 2 per iteration; 1-D scalars also schedule faster than `[N, 1]` ones
+  or slices of a `[N, hc, hc]` one), and the body is a precompiled function, scheduled and compiled once for all sites
+  with the same shapes (inline, its ~1400 ops would be rescheduled at every site)."""
+  scale = scale[0:1].expand(hc).cat(scale[1:2].expand(hc), scale[2:3].expand(hc * hc))
+  z = _rms_after(mix, normed, norm_eps) * scale + base
+  z = [z[:, i] for i in range(z.shape[1])]
+  pre, post = [v.sigmoid() + eps for v in z[:hc]], [v.sigmoid() * 2 for v in z[hc:2 * hc]]
+  c = [z[2 * hc + j * hc:2 * hc + (j + 1) * hc] for j in range(hc)]
+  rows = lambda c: [sum(r[1:], r[0]) for r in c]                                  # sum over destinations, per source
+  cols = lambda c: [sum((r[k] for r in c[1:]), c[0][k]) for k in range(hc)]       # sum over sources, per destination
+  # softmax over destinations, then Sinkhorn: alternately normalise over sources and destinations
+  m = [functools.reduce(Tensor.maximum, r) for r in c]
+  c = [[(v - m[j]).exp() for v in r] for j, r in enumerate(c)]
+  c = [[v / s + eps for v in r] for r, s in zip(c, rows(c))]
+  c = [[v / (s + eps) for v, s in zip(r, cols(c))] for r in c]
+  for _ in range(iters - 1):
+    c = [[v / (s + eps) for v in r] for r, s in zip(c, rows(c))]
+    c = [[v / (s + eps) for v, s in zip(r, cols(c))] for r in c]
+  return Tensor.stack(*pre, *post, *[v for r in c for v in r], dim=-1)
+
+def hc_post(y: Tensor, x: Tensor, post: list[Tensor], comb: list[list[Tensor]]) -> Tensor:
+  """New streams `[B, T, hc, D]`: `x'_k = post_k y + sum_j comb[j][k] x_j`."""
+  hc = len(post)
+  return Tensor.stack(*[sum((comb[j][k] * x[:, :, j] for j in range(hc)), post[k] * y) for k in range(hc)], dim=2)
+
+# ---------------------------------------------------------------- compressed rows
+
+class Compressor:
+  """`{name}_kv`, `{name}_gate` (`[coff*D, dim]`), `{name}_ape` (`[ratio, coff*D]`), `{name}_norm`; its state ring and
+  compressed-row cache (see the module docstring). coff = 2 for ratio 4 (overlapping windows), else 1."""
+  gguf_flat = True
+  def __init__(self, cfg: DS4Config, name: str, ratio: int, D: int):
+    self.cfg, self.name, self.R, self.D, self.coff = cfg, name, ratio, D, 2 if ratio == 4 else 1
+    setattr(self, f"{name}_kv", Linear(cfg.dim, self.coff * D))
+    setattr(self, f"{name}_gate", Linear(cfg.dim, self.coff * D))
+    setattr(self, f"{name}_ape", Params(weight=Param(ratio, self.coff * D)))
+    setattr(self, f"{name}_norm", RMSNorm(D, cfg.norm_eps))
+
+  def n_cand(self, T: int) -> int: return 1 if T == 1 else (T - 1) // self.R + 2  # windows a chunk of T tokens touches
+
+  def init_cache(self, max_ctx: int, chunk: int, device: str, dtype: DType):
+    R, F = self.R, self.coff * self.D
+    S = R * (self.coff + -(-chunk // R))   # previous window (overlap), the pending one, and one chunk of slack
+    # the state ring (pending projections, a fixed few rows) stays float32: its scores are softmax logits
+    self.state = Tensor.zeros(1, S, F, device=device).cat(Tensor.full((1, S, F), NEG, device=device), dim=-1).contiguous().realize()
+    self.rows = Tensor.zeros(1, max_ctx // R + self.n_cand(chunk) + 1, self.D, dtype=dtype, device=device).contiguous().realize()
+
+  def __call__(self, x: Tensor, start_pos: int | UOp, table: Tensor) -> Tensor:
+    """x `[B, T, dim]` (the attention input) -> the compressed-row cache after this chunk, `[1, n, D]`, n symbolic."""
+    R, D, coff, T = self.R, self.D, self.coff, x.shape[1]
+    ape = as_tensor(getattr(self, f"{self.name}_ape").weight)
+    ape = ape.repeat(-(-T // R) + 1, 1)[start_pos % R:start_pos % R + T]          # ape row of each token: its position % R
+    # each GEMV its own kernel: a cat of the two lazy ones is one kernel running both reduces for every output (V4's
+    # F16 attn compressor)
+    new = getattr(self, f"{self.name}_kv")(x).contiguous().cat(getattr(self, f"{self.name}_gate")(x).contiguous() + ape, dim=-1)
+    st = ring_write(self.state, new, start_pos)                                    # [1, S, 2*coff*D]: kv | score
+    nb, w0, F = st.shape[1] // R, start_pos // R, coff * D
+    block = lambda w: st[:, (w % nb) * R:(w % nb) * R + R]                        # the R state rows of window w
+    vals, scores = [], []
+    for i in range(n := self.n_cand(T)):
+      cur = block(w0 + i)
+      if coff == 1: vals.append(cur[..., :D]); scores.append(cur[..., F:F + D]); continue
+      prev = block(w0 + i + nb - 1)
+      first = (Tensor.arange(2 * R).reshape(1, 2 * R, 1) + (w0 + i) * R) < R  # window 0 has no previous window
+      vals.append(prev[..., :D].cat(cur[..., D:F], dim=1))
+      scores.append(first.where(NEG, prev[..., F:F + D].cat(cur[..., F + D:], dim=1)))
+    v, s = Tensor.stack(*vals, dim=1), Tensor.stack(*scores, dim=1)               # [1, n, coff*R, D]
+    pooled = (v * s.softmax(2)).sum(2)                                             # [1, n, D]
+    windows = table.reshape(-1, R, *table.shape[1:])[:, 0]                         # cos/sin at each window's first position
+    rows = rope_tail(getattr(self, f"{self.name}_norm")(pooled), windows, w0)
+    stored = Tensor(self.rows.uop.after(self.rows[:, w0:w0 + n].uop.store(rows.cast(self.rows.dtype).uop)))
+    return stored[:, :w0 + n]
+
+class Indexer:
+  """`indexer.attn_q_b` (queries from the Q LoRA latent) and `indexer.proj` (per-head weights)."""
+  def __init__(self, cfg: DS4Config):
+    self.attn_q_b, self.proj = Linear(cfg.q_lora_rank, cfg.idx_n_head * cfg.idx_head_dim), Linear(cfg.dim, cfg.idx_n_head)
+
+# ---------------------------------------------------------------- attention
+
+class DS4Attention:
+  gguf_flat = True
+  def __init__(self, cfg: DS4Config, ratio: int):
+    self.cfg, self.ratio, H, D = cfg, ratio, cfg.n_head, cfg.head_dim
+    self.attn_q_a, self.attn_q_a_norm = Linear(cfg.dim, cfg.q_lora_rank), RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+    self.attn_q_b = Linear(cfg.q_lora_rank, H * D)
+    self.attn_kv, self.attn_kv_a_norm = Linear(cfg.dim, D), RMSNorm(D, cfg.norm_eps)
+    self.attn_sinks = Params(weight=Param(H))
+    self.attn_output_a = Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
+    self.attn_output_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim)
+    if ratio: self.compressor = Compressor(cfg, "attn_compressor", ratio, D)
+    if ratio == 4: self.indexer, self.idx_compressor = Indexer(cfg), Compressor(cfg, "indexer_compressor", ratio, cfg.idx_head_dim)
+
+  def init_cache(self, max_ctx: int, chunk: int, device: str, dtype: DType):
+    # raw rows carry their position in the first two of POS_COLS extra columns written with the row, `p % POS_BASE`
+    # and `p // POS_BASE` (each exact in float16): only for `check_resume` (masks are arithmetic on start_pos); -1 =
+    # never written
+    assert max_ctx + chunk < POS_BASE ** 2, f"context {max_ctx} beyond the raw ring's position columns"
+    S = self.cfg.window + chunk
+    never = Tensor.full((1, S, 1), -1.0, device=device).cat(Tensor.zeros(1, S, POS_COLS - 1, device=device), dim=-1)
+    self.raw = Tensor.zeros(1, S, self.cfg.head_dim, device=device).cat(never, dim=-1).cast(dtype).contiguous().realize()
+    if hasattr(self, "compressor"): self.compressor.init_cache(max_ctx, chunk, device, dtype)
+    # the indexer's keys stay float32: its scores make a discrete choice (top-k), like the router's
+    if hasattr(self, "idx_compressor"): self.idx_compressor.init_cache(max_ctx, chunk, device, dtypes.float32)
+
+  def select(self, x: Tensor, qr: Tensor, start_pos: int | UOp, tabs: Tables, ok: Tensor) -> Tensor:
+    """Indexer: which compressed rows each query attends, `[T, n]` bool (`ok`: the rows it may see). Float32 at any
+    precision: the top-k is a discrete choice (half-rounded scores flip near-ties), like the router's."""
+    with precision.matmuls_in(dtypes.float32): return self._select(x, qr, start_pos, tabs, ok)
+
+  def _select(self, x: Tensor, qr: Tensor, start_pos: int | UOp, tabs: Tables, ok: Tensor) -> Tensor:
+    cfg, (B, T, _) = self.cfg, x.shape
+    keys = self.idx_compressor(x, start_pos, tabs.comp)[0]                                       # [n, Di]
+    q = rope_tail(self.indexer.attn_q_b(qr).reshape(B, T, cfg.idx_n_head, cfg.idx_head_dim), tabs.comp, start_pos)
+    w = self.indexer.proj(x) * (cfg.idx_head_dim * cfg.idx_n_head) ** -0.5                      # [B, T, Hi]
+    score = (dot_lanes(q, keys).relu() * w.unsqueeze(-1)).sum(-2)                                # [B, T, n]
+    return topk_mask(score[0], ok, cfg.idx_top_k, self.idx_compressor.rows.shape[1])
+
+  def __call__(self, x: Tensor, start_pos: int | UOp, tabs: Tables) -> Tensor:
+    cfg, (B, T, _) = self.cfg, x.shape
+    H, D, G = cfg.n_head, cfg.head_dim, cfg.o_groups
+    table, inv = (tabs.comp, tabs.comp_inv) if self.ratio else (tabs.main, tabs.main_inv)
+    qr = matmul_input(self.attn_q_a_norm(self.attn_q_a(x)))
+    q = rope_tail(rms0(self.attn_q_b(qr).reshape(B, T, H, D), cfg.norm_eps), table, start_pos)
+    kv = rope_tail(self.attn_kv_a_norm(self.attn_kv(x)), table, start_pos)                    # [B, T, D]: K and V
+    qpos = (Tensor.arange(T) + start_pos).reshape(T, 1)
+    pos = (qpos % POS_BASE).cat(qpos // POS_BASE, dim=-1).float().reshape(1, T, 2).pad((None, None, (0, POS_COLS - 2)))
+    raw = ring_write(self.raw, kv.cat(pos, dim=-1), start_pos)[0, :, :D]                       # [S, D]
+    held = ring_positions(raw.shape[0], start_pos + T - 1).reshape(1, -1)
+    keys, ok = raw, (held >= 0) & (held <= qpos) & (held > qpos - cfg.window)                  # [T, S]
+    if self.ratio:
+      rows = self.compressor(x, start_pos, tabs.comp)[0]                                       # [n, D]
+      seen = ((arange(rows.shape[0]) + 1) * self.ratio).reshape(1, -1) <= qpos + 1      # complete windows only
+      if self.ratio == 4: seen = seen & self.select(x, qr, start_pos, tabs, seen)
+      keys, ok = rows.cat(raw), seen.cat(ok, dim=1)  # the symbolic-length part first: tinygrad cannot cat after a fixed one
+    scores = ok.where(dot_lanes(q.transpose(1, 2), keys) * D ** -0.5, NEG)                      # [B, H, T, S]
+    sink = as_tensor(self.attn_sinks.weight).reshape(1, H, 1, 1)                              # a logit with no value
+    m = scores.max(-1, keepdim=True).maximum(sink)
+    # materialised: left lazy, the exp is recomputed for every value column of `e @ keys` (512 per score)
+    e = (scores - m).exp().contiguous()
+    o = (e @ keys) / (e.sum(-1, keepdim=True) + (sink - m).exp())                               # [B, H, T, D]
+    o = rope_tail(o.transpose(1, 2), inv, start_pos)                                            # rotate V's RoPE back
+    # materialised: left lazy, the attention output (and its inverse rope) is recomputed for every row of the GEMV
+    o = o.reshape(B * T, G, H * D // G).transpose(0, 1).contiguous()                            # [G, BT, H*D/G]
+    if B * T == 1: o = linear(o, _grouped(self.attn_output_a.weight, G)).transpose(0, 1).reshape(B, T, G * cfg.o_lora_rank)
+    else:  # a chunk: a GEMM per group on its rows dequantized once (as nn/layers.py's Linear), joined in [B, T, G * rank] order so
+      # that attn_output_b's reduce is one axis (the GEMM kernel opts need that)
+      w, R = self.attn_output_a.weight, cfg.o_lora_rank
+      o = Tensor.cat(*[matmul(o[g], w[g * R:(g + 1) * R]).contiguous() for g in range(G)], dim=-1).reshape(B, T, G * R).contiguous()
+    return self.attn_output_b(o)
+
+# ---------------------------------------------------------------- MoE
+
+class DS4MoE(MoE):
+  """moe.MoE with V4's parts: hash routing (`ffn_gate_tid2eid[token]` picks the experts, the gate still weights them)
+  in the first `n_hash_layer` layers, and the SwiGLU clamp (gate <= limit, |up| <= limit) on routed and shared experts."""
+  def __init__(self, cfg: DS4Config, i: int, has_bias: bool):
+    super().__init__(cfg, has_bias=has_bias)
+    self.limit, self.limit_shexp = cfg.swiglu_clamp[i], cfg.swiglu_clamp_shexp[i]
+    if i < cfg.n_hash_layer: self.ffn_gate_tid2eid = Params(weight=Param(cfg.n_vocab, cfg.n_expert_used))
+
+  def route(self, x: Tensor, tokens: Tensor | UOp | None = None) -> tuple[Tensor, Tensor]:
+    if not hasattr(self, "ffn_gate_tid2eid"): return super().route(x)
+    with precision.matmuls_in(dtypes.float32): logits = self.ffn_gate_inp(x)  # float32 at any precision, as MoE.route
+    cfg, probs = self.cfg, logits.softplus().sqrt()
+    t = self.ffn_gate_tid2eid.weight
+    ids = (t[tokens:tokens + 1] if isinstance(tokens, UOp) else t[tokens])
+    ids = (ids.dequant(dtypes.int32) if isinstance(ids, QTensor) else ids.cast(dtypes.int32)).reshape(*x.shape[:-1], cfg.n_expert_used)
+    w = probs.gather(-1, ids)
+    if cfg.expert_weights_norm: w = w / w.sum(-1, keepdim=True).maximum(6.103515625e-5)
+    return ids, w * cfg.expert_weights_scale
+
+  def _swiglu(self, g: Tensor, u: Tensor, limit: float) -> Tensor:
+    """Clamped SwiGLU, materialised with the same barriers as moe._swiglu (gate GEMV alone, activation in the up GEMV)."""
+    g = g.contiguous()
+    return (g.minimum(limit).silu() * u.clip(-limit, limit) if limit > 0 else g.silu() * u).contiguous()
+
+  def _act(self, g: Tensor, u: Tensor) -> Tensor: return self._swiglu(g, u, self.limit)
+
+  def __call__(self, x: Tensor, tokens: Tensor | UOp | None = None) -> Tensor:
+    y = self.experts(x, *self.route(x, tokens))
+    if not hasattr(self, "shexp"): return y
+    s = self.shexp
+    return y + s.ffn_down_shexp(self._swiglu(s.ffn_gate_shexp(x), s.ffn_up_shexp(x), self.limit_shexp))
+
+# ---------------------------------------------------------------- model
+
+class DS4Block:
+  def __init__(self, cfg: DS4Config, i: int):
+    self.hc_attn, self.hc_ffn = HyperConn(cfg, "hc_attn"), HyperConn(cfg, "hc_ffn")
+    self.attn_norm, self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps), RMSNorm(cfg.dim, cfg.norm_eps)
+    self.attn = DS4Attention(cfg, cfg.compress_ratios[i])
+    self.ffn = DS4MoE(cfg, i, has_bias=cfg.expert_bias[i])
+
+  def __call__(self, x: Tensor, tokens: Tensor | UOp, start_pos: int | UOp, tabs: Tables) -> Tensor:
+    # over a chunk each sublayer's output is materialised: left lazy, hc_post fuses it into the streams' kernel, which
+    # recomputes the output projection (a whole GEMM) once per stream. The streams after attention are materialised
+    # too: left lazy, the ffn site's mix recomputes them for each of its outputs
+    done = (lambda y: y.contiguous()) if x.shape[0] * x.shape[1] > 1 else (lambda y: y)
+    h, post, comb = self.hc_attn(x)
+    x = hc_post(done(self.attn(matmul_input(self.attn_norm(h)), start_pos, tabs)), x, post, comb).contiguous()
+    h, post, comb = self.hc_ffn(x)
+    return hc_post(done(self.ffn(matmul_input(self.ffn_norm(h)), tokens)), x, post, comb).contiguous()  # one barrier per block, as model.Block
+
+class DS4Transformer:
+  """The deepseek4 model (arch.Model). Unlike model.Transformer's row-per-position caches, the rings only let a new run
+  start at position 0 or up to `max_rewind` positions before the last one written (see `check_resume`), and one forward
+  takes at most PREFILL_CHUNK tokens."""
+  PREFILL_CHUNK = 32  # the most tokens one forward takes (the rings' slack), and the captured prefill chunk
+  PREFILL_CHUNKS = (PREFILL_CHUNK,)
+  MAX_FORWARD_TOKENS: int | None = PREFILL_CHUNK
+  max_rewind: int | None = PREFILL_CHUNK
+  PREFIX_ROWS = False  # see cache_tensors
+  SLOTS = False        # its ring caches and compressor state have no slot axis yet
+  slots = 1            # one sequence: the ring caches have no slots (nn/cache_rows.py)
+
+  def __init__(self, cfg: DS4Config):
+    self.cfg = cfg
+    self.token_embd = Embedding(cfg.n_vocab, cfg.dim)
+    self.blk = [DS4Block(cfg, i) for i in range(cfg.n_layer)]
+    self.output_hc = HyperConn(cfg, "output_hc", head=True)
+    self.output_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+    self.output = Linear(cfg.dim, cfg.n_vocab)
+
+  @classmethod
+  def load(cls, cfg: DS4Config, gf: GGUFFile, device: str, max_ctx: int, numerics: str, slots: int = 1) -> DS4Transformer:
+    if slots != 1: raise ValueError(f"{gf.path}: deepseek4 runs one sequence at a time (its ring caches have no slots yet), {slots} were asked for")
+    model = cls(cfg)
+    load_weights(model, gf, device)
+    model.max_ctx, model.numerics, model.precision = max_ctx, numerics, precision.for_device(device)
+    C = cls.PREFILL_CHUNK
+    rows = -(-(max_ctx + 2 * C + 128 * 2) // 128) * 128   # padded chunks, candidate windows; a multiple of every ratio
+    main, comp = rope_table(cfg.rope, rows, device), rope_table(cfg.rope_comp, rows, device)
+    conj = Tensor([1.0, -1.0], device=device)
+    model.tabs = Tables(main, comp, (main * conj).realize(), (comp * conj).realize())
+    for b in model.blk: b.attn.init_cache(max_ctx, C, device, model.precision.cache)
+    return model
+
+  def forward(self, tokens: Tensor | UOp, start_pos: int | UOp, last_only: bool = False, select: Tensor | None = None) -> Tensor:
+    """tokens `[1, T]` int32 (T <= PREFILL_CHUNK) or one token as a bound variable, at positions start_pos.. -> logits
+    `[1, T, vocab]` (or `[1, 1, vocab]` for the last / the one-hot `select`ed position)."""
+    with activations.numerics(self.numerics), precision.matmuls_in(self.precision.matmul):
+      e = self.token_embd(tokens)
+      B, T, D = e.shape
+      assert T <= self.PREFILL_CHUNK, f"{T} tokens in one forward, at most {self.PREFILL_CHUNK}"
+      x = e.unsqueeze(2).expand(B, T, self.cfg.hc, D)                              # every stream starts as the embedding
+      for b in self.blk: x = b(x, tokens, start_pos, self.tabs)
+      if last_only: x = x[:, -1:]
+      if select is not None: x = (x * select.unsqueeze(-1)).sum(1, keepdim=True)
+      return self.head(x)
+
+  def head(self, x: Tensor) -> Tensor: return self.output(matmul_input(self.output_norm(self.output_hc.head(x))))  # the streams collapsed first
+
+  def check_resume(self, start_pos: int) -> None:
+    """Raise unless the caches hold what a run from `start_pos` needs: position 0, or the raw rows of the `window`
+    positions before it still in the ring (true up to PREFILL_CHUNK positions behind the last one written; the
+    compressor state has the same slack). Deeper rewinds must prefill from 0."""
+    if start_pos == 0: return
+    a = self.blk[0].attn
+    D, S = self.cfg.head_dim, a.raw.shape[1]
+    cols = a.raw[0, :, D:D + 2].float().numpy().astype(np.int64)
+    held = cols[:, 0] + cols[:, 1] * POS_BASE
+    if any(held[p % S] != p for p in range(max(0, start_pos - self.cfg.window), start_pos)):
+      raise ValueError(f"deepseek4 cannot resume at position {start_pos}: its ring caches no longer hold the {self.cfg.window} positions "
+                       f"before it (resuming works up to {self.max_rewind} positions back); prefill from position 0")
+
+  def cache_tensors(self, slot: int = 0):
+    raise NotImplementedError("deepseek4 caches are rings and pending compressor state, not rows [0:n] of a prefix: no prefix save/restore")

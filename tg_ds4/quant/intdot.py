@@ -1,0 +1,187 @@
+"""Q4_0, Q4_1 and Q8_0 GEMVs as llama.cpp computes them on an AVX2 CPU: x rounded to Q8_0 (int8 per block of 32 with
+an fp16 scale, quant/activations.py's _q8_0; Q8_1 for Q4_1, with each block's sum), each weight block's integer dot
+product with it taken by `vpmaddubsw`/`vpmaddwd`, scaled by the two block scales into eight float lanes, the lanes
+summed at the end. x is rounded by a kernel of its own (`_quantize`), once for all GEMVs that read it.
+
+Only where quant/activations.py rounds the input ("auto" or "llama.cpp" numerics): this is llama.cpp's arithmetic, not
+the exact float GEMV (quant/formats.py's linear), which is also slower on rounded x (its per-value int-to-float
+convert and multiply-add bound it; `profiles/q4_0_gemv_forms.c`). tinygrad's C renderer has no integer-dot
+instruction, so the block dot is C with clang's x86 builtins, one kernel made with `Tensor.custom_kernel`: each output
+row's loop over its blocks is one `Ops.CUSTOM` statement inside the kernel's (threaded) range over output rows.
+Several rows of x (a batched step) share each unpacked weight block and keep their own accumulators, so a row's result
+does not depend on how many rows run with it. A gathered weight (nn/moe.py's experts: `QTensor[idx]`) reads each
+selected matrix through its index.
+
+Used where `backend.int_dot_available` says: the CPU device, tinygrad's internals as backend/compat.py expects, an x86
+CPU with AVX2 and F16C, `TG_DS4_INT_DOT` not 0."""
+from __future__ import annotations
+
+
+from tinygrad import Device, Tensor, dtypes
+
+from tg_ds4 import backend
+from tg_ds4.backend.compat import AxisType, Estimates, KernelInfo, Ops, UOp, prod
+from tg_ds4.quant import activations
+
+FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # block bytes: an fp16 scale (Q4_1: and an fp16 minimum), then nibbles or int8
+assert set(FORMATS) == set(backend.INT_DOT_FORMATS)
+MAX_ROWS = 8                        # rows of x per weight matrix kept in registers (8 accumulators of 8 floats)
+
+def takes(w) -> bool:
+  """Whether a GEMV over `w` (packed, on its device) takes this path at all, whatever x: the format and the rounding."""
+  name, device = getattr(getattr(w, "qtype", None), "name", None), str(w.device)
+  return name in FORMATS and activations.rounds(name, device) and backend.int_dot_available(device)
+
+def try_linear(x: Tensor, w) -> Tensor | None:
+  """`x @ w.T` by this path, or None where it does not apply (quant.formats.linear then computes it in float)."""
+  return linear(x, w) if takes(w) and applies(x, w) else None
+
+def takes_all(*ws) -> bool:
+  """Whether a prefill chunk's expert tiles should gather each tile's weight once and pass its rows as x rows (nn/moe.py):
+  where this path takes every one of `ws`, whose kernel unpacks each weight block once for all rows."""
+  return all(takes(w) for w in ws)
+
+def applies(x: Tensor, w) -> bool:
+  """For a `w` this path `takes`: whether `linear(x, w)` fits it: ungathered or gathered once on the leading axis, at
+  most MAX_ROWS rows of x per weight matrix, static shapes."""
+  if len(w._src[1]) > 1 or not all(isinstance(s, int) for s in (*x.shape, *w.shape)) or x.shape[-1] != w.shape[-1]: return False
+  if w._src[1] and not (isinstance(w._src[1][0], Tensor) and w._src[0].ndim == 4): return False
+  if not (lead := w.shape[:-2]): return prod(x.shape[:-1]) <= MAX_ROWS   # every leading axis of x is rows
+  return x.ndim >= 2 and x.shape[-2] <= MAX_ROWS and x.ndim - 2 <= len(lead)
+
+# one output row (`@R@`: the flat index over matrix x output row) against R rows of x; the format's unpack
+# gives 32 int8 weights `wq_` per block; the lanes are summed as llama.cpp's hsum_float_8 sums them
+_UNPACK = {
+  "Q4_0": "v16u raw_; __builtin_memcpy(&raw_, blk_ + 2, 16); v16u lo_ = raw_ & (unsigned char)15, hi_ = raw_ >> 4;\n"
+          "      v32c wq_ = (v32c)__builtin_shufflevector(lo_, hi_, " + ",".join(map(str, range(32))) + ") - (signed char)8;",
+  "Q4_1": "v16u raw_; __builtin_memcpy(&raw_, blk_ + 4, 16); v16u lo_ = raw_ & (unsigned char)15, hi_ = raw_ >> 4;\n"
+          "      v32c wq_ = (v32c)__builtin_shufflevector(lo_, hi_, " + ",".join(map(str, range(32))) + ");",
+  "Q8_0": "v32c wq_; __builtin_memcpy(&wq_, blk_ + 2, 32);"}
+
+def _source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered: bool, x_per_matrix: bool) -> str:
+  bb, m = FORMATS[fmt], fmt == "Q4_1"  # Q4_1: + its minimum times x's block sum, a float sum of its own (ggml's summs)
+  mat = ("((const int *)@IDX@)[@R@ / %d]" if gathered else "@R@ / %d") % out
+  xrow = "(@R@ / %d) * %d" % (out, rows) if x_per_matrix else "0"
+  return f"""({{ typedef signed char v32c __attribute__((vector_size(32))); typedef unsigned char v16u __attribute__((vector_size(16)));
+  typedef short v16s __attribute__((vector_size(32))); typedef int v8i __attribute__((vector_size(32)));
+  typedef float v8f __attribute__((vector_size(32)));
+  const unsigned char *w_ = (const unsigned char *)@W@ + (long)({mat}) * {matrix_bytes}L + (long)(@R@ % {out}) * {nb * bb};
+  const int xr_ = {xrow};
+  const v16s one_ = {{1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1}};
+  v8f acc_[{rows}];
+  float sm_[{rows}];
+  for (int r_ = 0; r_ < {rows}; r_++) {{ acc_[r_] = (v8f){{0,0,0,0,0,0,0,0}}; sm_[r_] = 0.0f; }}
+  for (int b_ = 0; b_ < {nb}; b_++) {{
+    const unsigned char *blk_ = w_ + b_ * {bb};
+    {_UNPACK[fmt]}
+    __fp16 h_; __builtin_memcpy(&h_, blk_, 2); const float dw_ = (float)h_;
+    {"__fp16 mh_; __builtin_memcpy(&mh_, blk_ + 2, 2); const float mw_ = (float)mh_;" if m else ""}
+    const v32c aw_ = __builtin_ia32_psignb256(wq_, wq_);
+    for (int r_ = 0; r_ < {rows}; r_++) {{
+      v32c xv_; __builtin_memcpy(&xv_, (const signed char *)@XQ@ + ((long)(xr_ + r_) * {nb} + b_) * 32, 32);
+      const v8i s_ = __builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256(aw_, __builtin_ia32_psignb256(xv_, wq_)), one_);
+      acc_[r_] = acc_[r_] + __builtin_convertvector(s_, v8f) * (dw_ * ((const float *)@XD@)[(long)(xr_ + r_) * {nb} + b_]);
+      {"sm_[r_] += mw_ * ((const float *)@XS@)[(long)(xr_ + r_) * %d + b_];" % nb if m else ""}
+    }}
+  }}
+  for (int r_ = 0; r_ < {rows}; r_++) {{
+    const v8f a_ = acc_[r_];
+    ((float *)@OUT@)[(long)(@R@ / {out}) * {out * rows} + (long)r_ * {out} + @R@ % {out}] =
+      ((a_[0] + a_[4]) + (a_[2] + a_[6])) + ((a_[1] + a_[5]) + (a_[3] + a_[7])){" + sm_[r_]" if m else ""};
+  }}
+}});"""
+
+def _format_string(src: str, names: list[str]) -> str:
+  """C source -> an Ops.CUSTOM format string: braces escaped, `@NAME@` -> `{i}` (the i-th source)."""
+  s = src.replace("{", "{{").replace("}", "}}").replace("@R@", "(@R@)")
+  for i, n in enumerate(names): s = s.replace(f"@{n}@", "{%d}" % i)
+  return s
+
+# one block of 32 floats (`@R@`: the block) -> its int8 values and its scale, as ggml's quantize_row_q8_0 (AVX2 path)
+# computes them and activations._q8_0 states them: amax, the scale rounded to fp16 (F16C's round to nearest even),
+# rint(x * 127 / amax) in the default rounding mode (ties to even); for Q8_1 (quantize_row_q8_1) also the block's
+# sum, fp16(amax / 127 * sum q)
+_QUANTIZE = """({ const float *x_ = (const float *)@X@ + (long)@R@ * 32;
+  float amax_ = 0.0f;
+  for (int i_ = 0; i_ < 32; i_++) { const float a_ = __builtin_fabsf(x_[i_]); amax_ = a_ > amax_ ? a_ : amax_; }
+  const __fp16 h_ = (__fp16)(amax_ / 127.0f);
+  ((float *)@XD@)[@R@] = (float)h_;
+  const float id_ = amax_ != 0.0f ? 127.0f / amax_ : 0.0f;
+  int sum_ = 0;
+  for (int i_ = 0; i_ < 32; i_++) {
+    const int q_ = (int)__builtin_rintf(x_[i_] * id_);
+    ((signed char *)@XQ@)[(long)@R@ * 32 + i_] = (signed char)q_; sum_ += q_;
+  }
+  @SUM@
+});"""
+
+def _kernel(body: str, params: tuple[UOp, ...], written: dict[int, UOp], r: UOp, ranges: tuple[UOp, ...], info) -> UOp:
+  """The kernel of the C statement `body` over `params` inside range `r` (one of `ranges`), which tinygrad orders
+  correctly. tinygrad knows which buffers a kernel writes and reads from its STOREs and LOADs (ProgramInfo.outs and
+  .ins, by which the native replay orders kernels into waves), and a C statement has neither: each buffer it reads gets
+  a load of its first element among the statement's sources (cast to void in it), and each buffer it writes (`written`:
+  param -> an element the statement writes in this iteration) a store of 0 to that element just before the statement,
+  which the statement then overwrites."""
+  reads = tuple(p[0].load(dtype=p.dtype) for i, p in enumerate(params) if i not in written)
+  first = tuple(params[i][e].store(UOp.const(0, params[i].dtype)) for i, e in written.items())
+  body += "".join(" (void)({%d});" % (len(params) + 1 + j) for j in range(len(reads)))  # used, so rendered and counted
+  stmt = UOp(Ops.CUSTOM, dtypes.void, src=(*params, r, *reads, *first), arg=body)
+  return stmt.end(*ranges).sink(arg=info).rtag(1)
+
+def _quantize(x: Tensor, sums: bool) -> tuple[Tensor, ...]:
+  """x `[..., in]` -> (int8 `[..., in/32, 32]`, float32 scales `[..., in/32]`, with `sums` Q8_1's block sums `[..., in/32]`),
+  one kernel (actquant's rounding as lazy tensor ops is three: the block maxima, the values, the scales)."""
+  blocks, nb = prod(x.shape) // 32, x.shape[-1] // 32
+  srcs = {"XQ": Tensor.empty(blocks * 32, dtype=dtypes.int8, device=x.device), "XD": Tensor.empty(blocks, dtype=dtypes.float32, device=x.device)}
+  if sums: srcs["XS"] = Tensor.empty(blocks, dtype=dtypes.float32, device=x.device)
+  srcs["X"] = x.float().contiguous().flatten()
+  src = _QUANTIZE.replace("@SUM@", "((float *)@XS@)[@R@] = (float)(__fp16)(amax_ / 127.0f * (float)sum_);" if sums else "")
+  body = _format_string(src, [*srcs, "R"])
+  def kernel(*params: UOp) -> UOp:
+    r = UOp.range(blocks, 0)
+    est = Estimates(ops=3 * blocks * 32, lds=blocks * 32 * 9 + 8 * blocks, mem=blocks * 32 * 5 + 8 * blocks)
+    info = KernelInfo(name=f"q8_{int(sums)}_quantize_{blocks}", estimates=est)
+    return _kernel(body, params, {0: r * 32, **{i: r for i in range(1, len(srcs) - 1)}}, r, (r,), info)
+  *outs, _ = Tensor.custom_kernel(*srcs.values(), fxn=kernel)
+  return (outs[0].reshape(*x.shape[:-1], nb, 32), *(o.reshape(*x.shape[:-1], nb) for o in outs[1:]))
+
+def _threads(device: str, n: int) -> int:
+  g = (Device[device].renderer.global_max or (1,))[0]
+  return max(t for t in range(1, g + 1) if n % t == 0)
+
+def linear(x: Tensor, w) -> Tensor:
+  """`x @ w.T` for `applies(x, w)`, float32: w `[out, in]` and x `[..., in]` (every leading axis rows) -> `[..., out]`;
+  w `[*lead, out, in]` and x `[*lead', R, in]` (lead' broadcasts to lead) -> `[*lead, R, out]`."""
+  fmt, (out, k), lead = w.qtype.name, w.shape[-2:], w.shape[:-2]
+  nb, L = k // 32, prod(lead)
+  shape = (*x.shape[:-1], out)
+  if not lead: x = x.reshape(-1, k)                                           # [R, in]
+  R = x.shape[-2]
+  xq, *xs = _quantize(x, fmt == "Q4_1")                                      # [..., R, nb, 32] int8; [..., R, nb] float32 scales (, sums)
+  x_per_matrix = x.ndim > 2 and prod(x.shape[:-2]) > 1
+  if x_per_matrix:
+    pad = (1,) * (len(lead) + 2 - x.ndim)
+    xq = xq.reshape(*pad, *xq.shape).expand(*lead, R, nb, 32).contiguous()
+    xs = [t.reshape(*pad, *t.shape).expand(*lead, R, nb).contiguous() for t in xs]
+  xq_rows = (L if x_per_matrix else 1) * R
+  base, idx = w._src
+  gathered = bool(idx)
+  srcs = {"OUT": Tensor.empty(L * R * out, dtype=dtypes.float32, device=w.device), "W": base.flatten(), "XQ": xq.flatten(), "XD": xs[0].flatten()}
+  if len(xs) > 1: srcs["XS"] = xs[1].flatten()
+  if gathered: srcs["IDX"] = idx[0].cast(dtypes.int32).contiguous().flatten()
+  names = [*srcs, "R"]
+  matrix_bytes = out * nb * FORMATS[fmt]
+  body = _format_string(_source(fmt, nb, out, R, matrix_bytes, gathered, x_per_matrix), names)
+  threads = _threads(str(w.device), L * out)
+  def kernel(*params: UOp) -> UOp:
+    # the rows split over the threads by hand (a THREAD range outermost): tinygrad's opts pass would rebuild the
+    # kernel's info without the estimates below, and it has nothing else to do here
+    t, i = UOp.range(threads, 0, AxisType.THREAD), UOp.range(L * out // threads, 1)
+    r = t * (L * out // threads) + i
+    # what tinygrad cannot count in a C statement: the weight rows read once, x's int8 blocks and scales, the outputs
+    est = Estimates(ops=2 * L * R * out * k, lds=L * out * (nb * FORMATS[fmt] + R * nb * 36) + 4 * L * R * out,
+                    mem=L * out * nb * FORMATS[fmt] + xq_rows * nb * 36 + 4 * L * R * out)
+    info = KernelInfo(name=f"{fmt.lower()}_intdot_{L}_{R}_{out}_{k}", estimates=est)
+    return _kernel(body, params, {0: r // out * (out * R) + r % out}, r, (i, t), info)
+  y = Tensor.custom_kernel(*srcs.values(), fxn=kernel)[0]
+  return y.reshape(*lead, R, out) if lead else y.reshape(shape)

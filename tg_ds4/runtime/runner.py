@@ -1,0 +1,398 @@
+"""The runner: one owner of a loaded model's captured steps, its step cache and the bookkeeping of what its caches hold.
+
+Loading (`Runner.load`): the model file is read once (models/families.py's load_model), and the captured steps bind to
+the step cache of that file and these settings. The steps, each a runtime/jit.py Jit captured on first use (or loaded
+from the step cache):
+  * `decode`: one token -> logits (the logits CLI, tests);
+  * `prefill-{C}`: a chunk of C tokens -> the logits of one selected position; `chunk-{C}`: all C positions (models
+    whose forward takes at most C tokens);
+  * `greedy`, `sample`, `logprobs-*`: one token -> the next token id (and log-probabilities), sampled on the device, so
+    the only per-token host traffic is the 4-byte id being streamed out and back in; the step's logits stay on the
+    device as a second output (the head writes them to a buffer either way), which `engine_logits` reads;
+  * `head-*`: the first token from a prefill chunk's logits.
+
+Generation prefills the prompt in chunks, then runs one step per token. A short prompt tail (at most FEED_TOKENS) goes
+through the per-token step instead of a prefill chunk: a padded 32-token chunk unpacks every weight to float32 and
+computes all 32 rows however few are real, which costs more than feeding up to FEED_TOKENS tokens one step each
+(measured on smollm2, qwen2.5 and the ds3 fixture), and a cold start then lowers one step, not two.
+
+The runner remembers which token ids the caches hold (`cached`), so a caller can prefill only past the longest common
+prefix with the previous request (`reusable`), and can save/restore the cache rows of a prefix (`kv_rows`/`load_kv_rows`)."""
+from __future__ import annotations
+
+import os, pathlib, time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from math import prod
+
+import numpy as np
+from tinygrad import Context, Device, Tensor, UOp, dtypes
+
+from tg_ds4.backend import compat, prepare_device
+from tg_ds4.backend.buffers import host_array
+from tg_ds4.backend.compat import Buffer, _to_np_dtype
+from tg_ds4.io.gguf import GGUFFile
+from tg_ds4.io.hf_folder import open_model
+from tg_ds4.models.families import Model, load_model
+from tg_ds4.nn.cache_rows import Rows
+from tg_ds4.quant import activations, formats
+from tg_ds4.runtime import stepcache
+from tg_ds4.runtime.jit import Jit
+from tg_ds4.runtime.sampling import SamplingParams, greedy, inputs, rng, sample
+
+MAX_TOP_LOGPROBS = 20
+TOP_LOGPROBS_BUCKETS = (0, 5, MAX_TOP_LOGPROBS)  # k is rounded up to one of these and the extra entries dropped on the host
+
+@dataclass
+class Stats:
+  prompt_tokens: int = 0
+  generated: int = 0
+  prefill_s: float = 0.0
+  decode_s: float = 0.0
+  first_token_s: float = 0.0
+  @property
+  def prefill_tps(self) -> float: return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+  @property
+  def decode_tps(self) -> float: return max(self.generated - 1, 0) / self.decode_s if self.decode_s else 0.0
+
+@dataclass(frozen=True)
+class Step:
+  """One generated token; with logprobs asked for, its log-probability under the model (before sampling filters and
+  temperature) and the `k` most likely tokens as (id, logprob), best first."""
+  token: int
+  logprob: float | None = None
+  top: tuple[tuple[int, float], ...] = ()
+
+def _with_logprobs(logits: Tensor, tok: Tensor, k: int) -> Tensor:
+  """`[1, V]` logits and the chosen `[1, 1]` id -> one `[1, 2 + 2k]` float row (id, logprob, k top ids, k top logprobs):
+  a single small copy to the host per token. Top-k by k masked argmaxes (k <= 20), not a vocabulary sort."""
+  lp = logits.float().log_softmax(-1)
+  cols, ids, vals, ar = [tok.float(), lp.gather(-1, tok)], [], [], Tensor.arange(lp.shape[-1]).reshape(1, -1)
+  x = lp
+  for _ in range(k):
+    i = x.argmax(-1, keepdim=True)
+    ids.append(i.float()); vals.append(x.max(-1, keepdim=True))
+    x = (ar == i).where(float("-inf"), x)
+  return Tensor.cat(*cols, *ids, *vals, dim=-1)  # float32 holds ids exactly below 2^24
+
+def _buffer(t: Tensor) -> Buffer:
+  buf = t.uop.base.buffer
+  if not isinstance(buf, Buffer) or not buf.is_allocated(): raise ValueError("cache tensors must be realized single-device buffers")
+  return buf
+
+def _prefix_view(t: Tensor, axis: int, n: int, slot: int = 0) -> Buffer | None:
+  """Rows [0:n] as a view of the buffer when they are its first bytes, or the first bytes of slot `slot` (`t` one slot
+  `[1, ...]` of a cache `[slots, ...]`: every axis before the row axis has size 1)."""
+  if any(d != 1 for d in t.shape[:axis]): return None
+  (view := _buffer(t).view(n * prod(t.shape[axis + 1:]), t.dtype, slot * prod(t.shape) * t.dtype.itemsize)).ensure_allocated()
+  return view
+
+def _row_to_step(row: np.ndarray, k: int, want: int) -> Step:
+  return Step(int(row[0]), float(row[1]), tuple((int(row[2 + j]), float(row[2 + k + j])) for j in range(want)))
+
+def reusable_prefix(prompt, cached: list[int]) -> int:
+  """Leading tokens of `prompt` that `cached` holds, at most len(prompt) - 1: the last prompt token always runs again,
+  since its logits give the first new token."""
+  n = 0
+  for a, b in zip(prompt, cached):
+    if a != b: break
+    n += 1
+  return min(n, max(len(prompt) - 1, 0))
+
+GREEDY = SamplingParams()
+FEED_TOKENS = 12  # a prompt tail this short goes through the per-token step, not a padded prefill chunk (module docstring)
+
+BATCHES = (1, 2, 4, 8)  # rows of the captured batched steps: a batch of n sequences runs in the smallest that holds n
+
+class Runner:
+  def __init__(self, model: Model, step_cache: stepcache.StepCache | None = None, device: str | None = None):
+    self.model, self.step_cache, self.device = model, step_cache, device or Device.DEFAULT
+    self.stats = Stats()
+    self.cached: list[int] = []  # token ids whose cache rows [0:len] of slot 0 are valid
+    self._jits: dict[str, Jit] = {}
+    # with several slots (nn/cache_rows.py) the last one is scratch: the rows a batched step pads with write there
+    self.parallel = model.slots - 1 if model.slots > 1 else 1
+    self._pos = lambda p, name="start_pos": UOp.variable(name, 0, model.max_ctx - 1).bind(p)
+    self._slot = lambda s, name="slot": UOp.variable(name, 0, model.slots - 1).bind(s)
+    # a variable: the embedding reads one row
+    self._tok = lambda t, name="token": UOp.variable(name, 0, model.cfg.n_vocab - 1).bind(t)
+
+  def _where(self, pos: int, slot: int = 0) -> tuple[UOp, ...]:
+    """Where a single-sequence forward starts, as step inputs: a symbolic position, and a symbolic slot when the model
+    has several (one captured step serves every slot). Passed to a step one by one (TinyJit binds variables given as
+    its arguments), turned into a forward's start by `_start`."""
+    return (self._pos(pos),) if self.model.slots == 1 else (self._pos(pos), self._slot(slot))
+
+  @staticmethod
+  def _start(*where: UOp) -> UOp | Rows: return where[0] if len(where) == 1 else Rows((where[1],), (where[0],))
+
+  @staticmethod
+  def load(path: str | pathlib.Path | GGUFFile, max_ctx: int | None = None, device: str | None = None,
+           numerics: str = "auto", parallel: int = 1) -> Runner:
+    """Load a model for `max_ctx` positions (default: the file's context). `numerics` (quant/activations.py): "auto"
+    takes llama.cpp's rounding and integer dot products where the device runs them natively and exact float math
+    elsewhere, "exact" float math everywhere, "llama.cpp" its rounding of every quantized matmul's input (for
+    token-exact comparisons with llama.cpp). `parallel` > 1 keeps that many sequences' caches side by side (plus a
+    scratch slot) for the batched steps (runtime/batcher.py's Batcher)."""
+    if not 1 <= parallel <= BATCHES[-1]: raise ValueError(f"parallel must be in [1, {BATCHES[-1]}], got {parallel}")
+    gf = path if hasattr(path, "infos") else open_model(path)  # a GGUFFile or io/hf_folder.py's Checkpoint, or a path to either
+    device = device or Device.DEFAULT
+    prepare_device(device)
+    # the few small kernels of a load (zeroed caches, rope tables, stacked rows) are lowered in this process: starting
+    # tinygrad's pool of compile workers for them would start processes that a warm start otherwise never needs
+    with Context(PARALLEL=0):
+      formats.realize_tables(device)
+      model = load_model(gf, device, max_ctx, numerics, parallel + 1 if parallel > 1 else 1)
+    compat.release_freed_buffers(device)
+    settings = dict(max_ctx=model.max_ctx, numerics=activations.effective(numerics, device)) | ({"slots": model.slots} if model.slots > 1 else {})
+    return Runner(model, stepcache.for_model(model, gf, device, **settings), device)
+
+  # *** the captured steps
+
+  def _step(self, name: str, fn: Callable) -> Jit:
+    if (j := self._jits.get(name)) is None: j = self._jits[name] = Jit(fn, self.step_cache, name, self.device)
+    return j
+
+  def _next_step(self, is_greedy: bool, k: int | None) -> Jit:
+    """One token -> (the next token id `[1, 1]`, or with k logprobs the `[1, 2 + 2k]` row of _with_logprobs; the logits
+    `[1, vocab]` it was chosen from)."""
+    kind = "greedy" if is_greedy else "sample"
+    if (j := self._jits.get(name := kind if k is None else f"logprobs-{kind}-{k}")) is not None: return j  # per token: no new closure
+    m = self.model
+    nw = len(self._where(0))
+    def step(tok, *args):
+      sargs = args[nw:]
+      logits = m.forward(tok, self._start(*args[:nw]), last_only=True)[:, -1]
+      nxt = greedy(logits) if is_greedy else sample(logits, *sargs)
+      out = nxt if k is None else _with_logprobs(logits, nxt, k)
+      Tensor.realize(out, logits)
+      return out, logits
+    return self._step(name, step)
+
+  def _head(self, is_greedy: bool, k: int | None) -> Jit:
+    """The first token from a prefill chunk's `[1, 1, vocab]` logits, as a captured step like the others (so a warm
+    start lowers nothing): greedy or sampled, with k logprobs or none."""
+    def head(out, *sargs):
+      logits = out[:, -1]
+      tok = greedy(logits) if is_greedy else sample(logits, *sargs)
+      return (tok if k is None else _with_logprobs(logits, tok, k)).realize()
+    return self._step(f"head-{'greedy' if is_greedy else 'sample'}-{'ids' if k is None else k}", head)
+
+  def batch_step(self, tokens: list[int], slots: list[int], positions: list[int], sampling: tuple | None = None,
+                 logprobs: int | None = None) -> np.ndarray:
+    """One token for each of several sequences (nn/cache_rows.py), each in its own slot at its own position, through the
+    captured step of the smallest batch in BATCHES that holds them (the rest padded with rows in the scratch slot):
+    the next token id per row `[n]` (greedy), or with `sampling` = (is_greedy, temperature, top_k, top_p, min_p) `[n]`
+    arrays and the rng `[n, 2]` sampled per row (a greedy row takes the argmax), or with `logprobs` = k the rows
+    `[n, 2 + 2k]` of _with_logprobs. The per-slot token bookkeeping is the caller's (runtime/batcher.py's Batcher)."""
+    n = len(tokens)
+    if self.model.slots == 1 or not 0 < n <= self.parallel:
+      raise ValueError(f"a batched step takes 1..{self.parallel} rows of a model loaded with parallel > 1, got {n}")
+    B = next(b for b in BATCHES if b >= n)
+    pad = B - n
+    toks, slots, positions = list(tokens) + [0] * pad, list(slots) + [self.model.slots - 1] * pad, list(positions) + [0] * pad
+    args = [self._tok(t, f"token{i}") for i, t in enumerate(toks)] + [self._slot(s, f"slot{i}") for i, s in enumerate(slots)] + \
+      [self._pos(p, f"pos{i}") for i, p in enumerate(positions)]
+    if sampling is not None:
+      flags, temp, top_k, top_p, min_p, rng = (np.concatenate([np.asarray(a), np.repeat(np.asarray(a)[:1], pad, 0)]) for a in sampling)
+      args += [inputs(flags, bool, self.device), inputs(np.maximum(temp, 1e-6), np.float32, self.device), inputs(top_k, np.int32, self.device),
+               inputs(top_p, np.float32, self.device), inputs(min_p, np.float32, self.device), inputs(rng, np.uint32, self.device)]
+    out = host_array(self._batch(B, sampling is None, logprobs)(*args))
+    return out[:n, 0] if logprobs is None else out[:n]
+
+  def _batch(self, B: int, is_greedy: bool, k: int | None) -> Jit:
+    """The captured batched step of B rows: B token, slot and position variables (and the sampling inputs) -> the
+    next token ids `[B, 1]`, or the `[B, 2 + 2k]` rows of _with_logprobs."""
+    name = f"batch-{B}-{'greedy' if is_greedy else 'sample'}" + ("" if k is None else f"-logprobs-{k}")
+    if (j := self._jits.get(name)) is not None: return j
+    m = self.model
+    def step(*args):
+      logits = m.forward(list(args[:B]), Rows(tuple(args[B:2 * B]), tuple(args[2 * B:3 * B])), last_only=True)[:, -1]  # [B, vocab]
+      if is_greedy: nxt = greedy(logits)
+      else:
+        flags, *sargs = args[3 * B:]
+        nxt = flags.reshape(-1, 1).where(greedy(logits), sample(logits, *sargs))
+      return (nxt if k is None else _with_logprobs(logits, nxt, k)).realize()
+    return self._step(name, step)
+
+  def _wrote(self, token: int, pos: int) -> None:
+    """The cache row of `pos` now holds `token` (rows past it are stale). In place: generation calls it per token."""
+    del self.cached[pos:]
+    self.cached.append(token)
+
+  def _check(self, n: int, start_pos: int) -> None:
+    if n == 0: raise ValueError("no tokens to prefill")
+    if start_pos + n > self.model.max_ctx: raise ValueError(f"{start_pos + n} tokens exceed the context of {self.model.max_ctx}")
+    self.model.check_resume(start_pos)
+
+  def _plan(self, n: int, feed: int) -> tuple[list[int], int]:
+    """Prefill chunk sizes for n tokens and how many tokens are left to feed per token (at most `feed`): chunks of the
+    largest size, and for the rest the smallest chunk that holds it (padded), unless a whole smaller chunk leaves a
+    tail short enough to feed."""
+    C, sizes = self.model.PREFILL_CHUNKS, []
+    while n > feed:
+      c = next((c for c in C if c >= n), C[-1])
+      if c > n and (whole := [x for x in C if x < n and n - x <= feed]): c = max(whole)
+      sizes.append(c); n -= min(c, n)
+    return sizes, n
+
+  def chunked(self, n: int) -> int:
+    """How many tokens of an n-token prompt `generate` prefills through chunks (the rest go through the per-token step)."""
+    return n - self._plan(n, FEED_TOKENS)[1]
+
+  def _prefill_chunks(self, tokens: list[int], start_pos: int, sizes: list[int], slot: int = 0) -> Tensor:
+    """tokens through the captured prefill steps of `sizes`; the logits `[1, 1, vocab]` of the last token. The last
+    chunk may be padded: the padding writes cache rows past the prompt, which later steps overwrite before any query
+    can see them (a query at position p reads rows <= p only)."""
+    s, m = 0, self.model
+    for C in sizes:
+      part = tokens[s:s + C]
+      sel = [[[1.0] if i == len(part) - 1 else [0.0] for i in range(C)]]
+      step = self._step(f"prefill-{C}", lambda t, sel, *w: m.forward(t, self._start(*w), select=sel).realize())
+      out = step(Tensor([part + [0] * (C - len(part))], dtype=dtypes.int32), Tensor(sel), *self._where(start_pos + s, slot))
+      s += C
+    return out
+
+  # *** logits, for the CLI and tests
+
+  def decode(self, token: int, pos: int) -> Tensor:
+    """Logits `[1, 1, vocab]` of one token at `pos` through the captured step; the symbolic position lets every position
+    replay the same kernels. The token goes in as a `[1, 1]` tensor (its embedding a one-hot gather), unlike the
+    generation steps' bound variable (a one-row slice): the two differ in float rounding only."""
+    step = self._step("decode", lambda t, *w: self.model.forward(t, self._start(*w)).realize())
+    out = step(Tensor([[token]], dtype=dtypes.int32), *self._where(pos))
+    self._wrote(token, pos)
+    return out
+
+  def prefill(self, tokens: list[int], start_pos: int = 0, chunk: int = 64) -> Tensor:
+    """Logits `[1, T, vocab]` of every position of `tokens` from `start_pos`, filling the caches: forwards of `chunk`
+    tokens, or for a model whose forward takes at most C tokens, its captured steps of C (the last padded)."""
+    self._check(len(tokens), start_pos)
+    m, outs = self.model, []
+    if (C := m.MAX_FORWARD_TOKENS) is None:
+      for s in range(0, len(tokens), chunk):
+        outs.append(m.forward(Tensor([tokens[s:s + chunk]], dtype=dtypes.int32), self._start(*self._where(start_pos + s))).realize())
+    else:
+      step = self._step(f"chunk-{C}", lambda t, *w: m.forward(t, self._start(*w)).realize())
+      for s in range(0, len(tokens), C):
+        part = tokens[s:s + C]
+        out = step(Tensor([part + [0] * (C - len(part))], dtype=dtypes.int32), *self._where(start_pos + s))
+        outs.append(out[:, :len(part)].clone().realize())  # a copy: the step reuses its output buffer
+    self.cached = self.cached[:start_pos] + list(tokens)
+    return outs[0].cat(*outs[1:], dim=1).realize() if len(outs) > 1 else outs[0]
+
+  def prefill_last(self, tokens: list[int], start_pos: int = 0) -> Tensor:
+    """Fill the caches with `tokens` through the captured prefill steps; logits `[1, 1, vocab]` of the last token."""
+    self._check(len(tokens), start_pos)
+    out = self._prefill_chunks(tokens, start_pos, self._plan(len(tokens), 0)[0])
+    self.cached = self.cached[:start_pos] + list(tokens)
+    return out
+
+  def next_token(self, token: int, pos: int, params: SamplingParams = GREEDY, sampling: tuple = (), logprobs: int | None = None) -> Tensor:
+    """One token at `pos` through the per-token step: the next token id `[1, 1]` (greedy, or sampled with `sampling` =
+    params.tensors() + the rng state), or with `logprobs` = k the row of _with_logprobs."""
+    return self._per_token(token, pos, params.greedy, sampling, logprobs)[0]
+
+  def _per_token(self, token: int, pos: int, is_greedy: bool, sampling: tuple, k: int | None) -> tuple[Tensor, Tensor]:
+    out = self._next_step(is_greedy, k)(self._tok(token), *self._where(pos), *sampling)
+    self._wrote(token, pos)
+    return out
+
+  def engine_logits(self, tokens: list[int], prefill_tokens: int | None = None) -> np.ndarray:
+    """Logits `[n - K + 1, vocab]` of positions K-1..n-1 (all n rows when K = 0) the way generation computes them: the
+    first K tokens through the captured prefill chunks generation uses (its chunk sizes, the last padded; the logits of
+    position K-1 are the chunk's selected row), the rest one at a time through the greedy per-token step. K defaults
+    to what `generate` would prefill in chunks for this prompt."""
+    n = len(tokens)
+    K = self.chunked(n) if prefill_tokens is None else prefill_tokens
+    if not 0 <= K <= n: raise ValueError(f"prefill tokens {K} must be in [0, {n}]")
+    self._check(n, 0)
+    rows = []
+    if K: rows.append(self._prefill_chunks(tokens[:K], 0, self._plan(K, 0)[0]).numpy()[0, -1])
+    self.cached = list(tokens[:K])
+    rows += [self._per_token(tokens[p], p, True, (), None)[1].numpy()[0] for p in range(K, n)]
+    return np.stack(rows).astype(np.float32)
+
+  # *** generation
+
+  def reusable(self, prompt: list[int]) -> int:
+    """How many leading tokens of `prompt` the cache already holds, at most len(prompt) - 1: the last prompt token is
+    always run again, since its logits give the first new token."""
+    n = reusable_prefix(prompt, self.cached)
+    # ring caches (DeepSeek V4) keep only the last rows: restarting further back than `max_rewind` from the furthest row
+    # written (a padded prefill chunk may write PREFILL_CHUNK rows past the cached tokens) means prefilling from scratch
+    if (rewind := self.model.max_rewind) is not None and len(self.cached) + self.model.PREFILL_CHUNK - n > rewind: return 0
+    return n
+
+  def generate(self, prompt: list[int], max_new: int, params: SamplingParams = GREEDY, stop: set[int] = frozenset(),
+               start_pos: int = 0) -> Iterator[int]:
+    """Yield up to `max_new` token ids after `prompt` (whose first `start_pos` tokens are already in the cache)."""
+    for s in self.steps(prompt, max_new, params, stop, start_pos): yield s.token
+
+  def steps(self, prompt: list[int], max_new: int, params: SamplingParams = GREEDY, stop: set[int] = frozenset(),
+            start_pos: int = 0, logprobs: int | None = None) -> Iterator[Step]:
+    """`generate` yielding Steps; `logprobs` = k (0..20) adds each token's logprob and the k most likely alternatives,
+    computed inside the captured step. A caller that stops resuming the iterator cancels the rest (nothing runs ahead)."""
+    m, n = self.model, len(prompt)
+    if n == 0: raise ValueError("empty prompt")
+    if n + max_new > m.max_ctx: max_new = m.max_ctx - n
+    if max_new <= 0: raise ValueError(f"prompt of {n} tokens leaves no room in the context of {m.max_ctx}")
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS: raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+    self._check(n - start_pos, start_pos)
+    seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+    sp = params.tensors()
+    sampling = lambda step: () if params.greedy else (*sp, rng(seed, step))
+    k = next(b for b in TOP_LOGPROBS_BUCKETS if b >= logprobs) if logprobs is not None else None  # few distinct k: few captured steps
+    self.stats = st = Stats(prompt_tokens=n - start_pos)
+    self.cached = list(prompt[:start_pos])  # rows past start_pos are about to be overwritten
+    t0 = time.perf_counter()
+    sizes, fed = self._plan(n - start_pos, FEED_TOKENS)
+    if sizes: out = self._prefill_chunks(prompt[start_pos:n - fed], start_pos, sizes)
+    if fed:  # the tail token by token; the last one's step gives the first new token
+      for p in range(n - fed, n): tok = self.next_token(prompt[p], p, params, sampling(0), k)
+    else: tok = self._head(params.greedy, k)(out, *sampling(0))
+    self.cached = list(prompt)
+    for i in range(max_new):
+      s = Step(int(host_array(tok).item())) if logprobs is None else _row_to_step(host_array(tok)[0], k, logprobs)
+      # the clocks read once the token is on the host: a GPU runs the launched steps asynchronously
+      if i == 0: st.prefill_s = st.first_token_s = (t1 := time.perf_counter()) - t0
+      st.generated, st.decode_s = st.generated + 1, time.perf_counter() - t1  # kept current: the caller may stop early
+      yield s
+      if s.token in stop or i == max_new - 1: break
+      tok = self.next_token(s.token, n + i, params, sampling(i + 1), k)  # writes the cache row of s.token
+
+  # *** KV rows of a prefix, for a persistent cache ***
+  # Byte copies on the cache buffers themselves (the tensors are allocated once and written in place by the captured
+  # steps): no kernel is compiled per prefix length, and the captured steps keep pointing at the same memory.
+
+  def kv_rows(self, n: int, slot: int = 0) -> list[tuple[str, np.ndarray]]:
+    """Host copies of rows [0:n] of every cache tensor of `slot` (only meaningful for rows that hold a prefix: n <=
+    len(self.cached) for slot 0's single-sequence use, a Batcher's slot_tokens for its slots)."""
+    out = []
+    for name, t, axis in self.model.cache_tensors(slot):
+      if (view := _prefix_view(t, axis, n, slot)) is not None: a = view.numpy().reshape(*t.shape[:axis], n, *t.shape[axis + 1:])
+      elif slot == 0: a = _buffer(t).numpy().reshape(t.shape)[(slice(None),) * axis + (slice(0, n),)]
+      else: raise ValueError(f"{name}: rows of slot {slot} are not one contiguous run")
+      out.append((name, np.array(a)))
+    return out
+
+  def load_kv_rows(self, tokens: list[int], rows: dict[str, np.ndarray], slot: int = 0) -> None:
+    """Write saved rows [0:len(tokens)] back into the cache tensors of `slot` (slot 0: `cached` becomes `tokens`)."""
+    n = len(tokens)
+    if slot == 0: self.cached = []
+    for name, t, axis in self.model.cache_tensors(slot):
+      a = rows[name]
+      if a.shape[axis] < n or a.shape[:axis] + a.shape[axis + 1:] != t.shape[:axis] + t.shape[axis + 1:]:
+        raise ValueError(f"{name}: saved rows {a.shape} do not fit {t.shape} up to row {n}")
+      a = np.ascontiguousarray(a[(slice(None),) * axis + (slice(0, n),)], dtype=_to_np_dtype(t.dtype))
+      if (view := _prefix_view(t, axis, n, slot)) is None:  # rows are not one contiguous prefix: rewrite the whole buffer
+        if slot: raise ValueError(f"{name}: rows of slot {slot} are not one contiguous run")
+        whole = _buffer(t).numpy().reshape(t.shape).copy()
+        whole[(slice(None),) * axis + (slice(0, n),)] = a
+        view, a = _buffer(t), whole
+      view.copy_from(Buffer("PYTHON", a.size, t.dtype, opaque=memoryview(a.reshape(-1)).cast("B")))
+    if slot == 0: self.cached = list(tokens)
+
+  def cache_layout(self) -> list[tuple[str, tuple[int, ...], str, int]]:
+    """(name, shape, dtype, row axis) of every cache tensor: part of a saved cache's identity."""
+    return [(name, tuple(t.shape), t.dtype.name, axis) for name, t, axis in self.model.cache_tensors()]
