@@ -11,10 +11,11 @@ from tinygrad import Tensor
 
 from tg_ds4 import backend
 from tg_ds4.backend.compat import Ops
-from tg_ds4.quant import activations, intdot
+from tg_ds4.quant import intdot, settings
 from tg_ds4.quant.formats import QTYPES, QTensor, linear
 
-pytestmark = pytest.mark.skipif(not backend.int_dot_available("CPU"), reason="needs an x86 CPU with AVX2/F16C/FMA and tinygrad 0.14's internals")
+pytestmark = pytest.mark.skipif(not backend.capabilities("CPU").int_dot_formats,
+                                reason="needs an x86 CPU with AVX2/F16C/FMA and tinygrad 0.14's internals")
 QT = {q.name: q for q in QTYPES.values()}
 
 def _blocks(rng, fmt: str, *shape: int) -> np.ndarray:
@@ -60,7 +61,7 @@ def test_dense(fmt, rows):
   rng = np.random.default_rng(1)
   raw, x = _blocks(rng, fmt, 96, 256), rng.standard_normal((rows, 1, 256)).astype(np.float32)
   w = QTensor(Tensor(raw).realize(), QT[fmt], (96, 256))
-  with activations.numerics("llama.cpp"): y = linear(Tensor(x), w).numpy()
+  with settings.override(numerics="llama.cpp"): y = linear(Tensor(x), w).numpy()
   _check(y, _reference(x, raw, fmt))
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
@@ -70,7 +71,7 @@ def test_gathered(fmt, x_lead):
   raw, ids = _blocks(rng, fmt, 8, 64, 256), np.array([[6, 1, 6]], np.int32)
   x = rng.standard_normal((*x_lead, 2, 256)).astype(np.float32)
   w = QTensor(Tensor(raw).realize(), QT[fmt], (8, 64, 256))
-  with activations.numerics("llama.cpp"): y = linear(Tensor(x), w[Tensor(ids)]).numpy()
+  with settings.override(numerics="llama.cpp"): y = linear(Tensor(x), w[Tensor(ids)]).numpy()
   _check(y, _reference(x, raw[ids], fmt))
 
 def test_rows_equal_alone():
@@ -78,7 +79,7 @@ def test_rows_equal_alone():
   rng = np.random.default_rng(3)
   raw, x = _blocks(rng, "Q4_0", 64, 512), rng.standard_normal((4, 1, 512)).astype(np.float32)
   w = QTensor(Tensor(raw).realize(), QT["Q4_0"], (64, 512))
-  with activations.numerics("llama.cpp"):
+  with settings.override(numerics="llama.cpp"):
     together = linear(Tensor(x), w).numpy()
     alone = [linear(Tensor(x[i]), w).numpy() for i in range(4)]
   assert all(np.array_equal(together[i], alone[i]) for i in range(4))
@@ -92,12 +93,13 @@ def test_only_where_inputs_are_rounded(monkeypatch):
   w = QTensor(Tensor(raw).realize(), QT["Q4_0"], (32, 128))
   names = lambda t: [u.arg.name for u in t.uop.toposort() if u.op is Ops.SINK and hasattr(u.arg, "name")]
   assert intdot.try_linear(x, w) is None
-  with activations.numerics("exact"): assert intdot.try_linear(x, w) is None
-  with activations.numerics("auto"): assert any("intdot" in n for n in names(linear(x, w)))
-  with activations.numerics("llama.cpp"):
+  with settings.override(numerics="exact"): assert intdot.try_linear(x, w) is None
+  with settings.override(numerics="auto"): assert any("intdot" in n for n in names(linear(x, w)))
+  with settings.override(numerics="llama.cpp"):
     on = linear(x, w)
     assert any("intdot" in n for n in names(on))
-    monkeypatch.setenv("TG_DS4_INT_DOT", "0")
+  monkeypatch.setenv("TG_DS4_INT_DOT", "0")  # read when the settings are resolved (a model's load)
+  with settings.override(numerics="llama.cpp"):
     off = linear(x, w)
     assert not any("intdot" in n for n in names(off))
     np.testing.assert_allclose(on.numpy(), off.numpy(), rtol=0, atol=1e-6 * np.abs(off.numpy()).max())
@@ -120,7 +122,7 @@ def test_expert_tiles_equal_per_pair():
   for name, (o, i) in (("ffn_gate_exps", (32, 64)), ("ffn_up_exps", (32, 64)), ("ffn_down_exps", (64, 32))):
     getattr(moe, name).weight = QTensor(Tensor(_blocks(rng, "Q4_0", 16, o, i)).realize(), QT["Q4_0"], (16, o, i))
   x = rng.standard_normal((1, 24, 64)).astype(np.float32)
-  with activations.numerics("llama.cpp"):
+  with settings.override(numerics="llama.cpp"):
     assert moe.tiled(24 * 4, "CPU") and intdot.takes_all(*moe._exps_weights())
     chunk = moe(Tensor(x)).numpy()
     alone = np.concatenate([moe(Tensor(x[:, t:t + 1])).numpy() for t in range(24)], 1)
@@ -133,7 +135,7 @@ def test_kernels_declare_their_buffers():
   from tinygrad.engine.realize import compile_linear, get_call_outs_ins
   rng = np.random.default_rng(6)
   w = QTensor(Tensor(_blocks(rng, "Q8_0", 32, 128)).realize(), QT["Q8_0"], (32, 128))
-  with activations.numerics("llama.cpp"): y = linear(Tensor(rng.standard_normal((1, 128)).astype(np.float32)) * 2, w)
+  with settings.override(numerics="llama.cpp"): y = linear(Tensor(rng.standard_normal((1, 128)).astype(np.float32)) * 2, w)
   lin, _ = y.linear_with_vars()
   seen = {call.src[0].arg.name: get_call_outs_ins(call) for call in compile_linear(lin).src if call.src[0].op is Ops.PROGRAM}
   assert seen["q8_0_quantize_4"] == ((0, 1), (2,))           # writes the int8 values and scales, reads x

@@ -166,7 +166,7 @@ def test_quantized_vs_llama_cpp(fam, q, numerics):
   by up to 0.09-0.1 there.)"""
   if numerics == "auto":
     assert len(AUTO_FILES) == 2 and int_dot_only(fam, q)
-    if not backend.int_dot_format(None, "CPU"): pytest.skip("no integer dots on this CPU: auto numerics are exact here")
+    if not backend.capabilities("CPU").int_dot_formats: pytest.skip("no integer dots on this CPU: auto numerics are exact here")
   g, r = manifest(fam)["ggufs"][q], run(fam, q, numerics=numerics)
   ll = np.load(ROOT / fam / g["logits"])
   top2 = np.sort(ll, -1)[..., -2:]

@@ -1,4 +1,7 @@
-"""Command line: `python -m tg_ds4 <command>`. Errors in user input print one line and exit 2."""
+"""Command line: `python -m tg_ds4 <command>`. Errors in user input print one line and exit 2.
+
+Each command imports what it runs inside its own function, so that `--help`, `models`, `cache` and `inspect` start
+without loading the runner, the server's web stack, jinja2 or the tokenizers library."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +11,7 @@ import pathlib
 import sys
 
 from tg_ds4.io.gguf import GGUFError
+from tg_ds4.quant.settings import DEFAULT_NUMERICS, NUMERICS
 
 DEFAULT_PARALLEL = 4  # serve's cache slots: requests generated together (llama.cpp's server has --parallel too)
 
@@ -256,7 +260,7 @@ def add_quantize(s) -> None:
                                                      "its own float types)")
 
 def add_numerics(s) -> None:
-  s.add_argument("--numerics", choices=("auto", "exact", "llama.cpp"), default="auto",
+  s.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
                  help="how quantized matmuls treat their inputs: auto (default) rounds them to 8 bits as llama.cpp does "
                       "where this device takes integer dot products for the weight's format (Q4_0/Q4_1/Q8_0 on an AVX2 "
                       "CPU: faster) and is exact float math elsewhere; exact: float math everywhere (transformers' "

@@ -1,11 +1,15 @@
-"""What differs per device, behind one seam. For the CPU (backend/cpu): tinygrad's kernel heuristic patched for
-quantized GEMVs and chunk GEMMs (kernel_opts), captured steps replayed by a native multi-core runner (replay,
-cpu_runner.c), and whether some weight formats are re-encoded for the CPU's code (models/widen.py). Each is installed when a model is loaded
-for the CPU, never on import, and only where backend/compat.py says tinygrad's internals are the ones they were written for.
-For GPU renderers (backend/gpu): the packed GEMVs' kernel opts; everything else is stock tinygrad."""
+"""What differs per device, behind one seam.
+- `Capabilities` (`capabilities(device)`): what the maths may count on and should prefer on a device, resolved once
+  when a model is loaded; the blocks and packed matmuls read it, never the device itself.
+- `prepare_device`: for the CPU (backend/cpu), tinygrad's kernel heuristic patched for quantized GEMVs and chunk GEMMs
+  (kernel_opts) and clang's vectorizer capped (compiler); for GPU renderers (backend/gpu), the packed GEMVs' kernel
+  opts. Installed when a model is loaded, never on import, and only where backend/compat.py says tinygrad's internals
+  are the ones they were written for.
+- `replay`: captured steps replayed on the CPU by a native multi-core runner (backend/cpu/replay.py, cpu_runner.c)."""
 from __future__ import annotations
 
 import functools, os, platform
+from dataclasses import dataclass
 
 from tinygrad import Device
 
@@ -14,74 +18,61 @@ from tg_ds4.backend.compat import CapturedJit
 
 def on_cpu(device: str | None) -> bool: return (device or Device.DEFAULT).split(":")[0] == "CPU"
 
-def gemm_panel(device: str) -> int | None:
-  """How many outputs a panel of a prefill GEMM's unpacked weight holds on `device` (nn/layers.py's matmul lays the
-  float copy out as `[out / n, in, n]`: every iteration of the GEMM kernel then reads one contiguous run), or None for
-  the plain `[in, out]` copy. On the CPU, kernel_opts' `CPU.panel`: the outputs of one vector GEMM iteration, or half
-  of them."""
-  if not on_cpu(device) or not compat.kernel_opts_on(): return None
-  from tg_ds4.backend.cpu.kernel_opts import CPU
+@dataclass(frozen=True)
+class Capabilities:
+  """What the maths may count on, and what it should prefer, on one device: resolved once when a model is loaded
+  (`capabilities`) and read by the blocks and the packed matmuls while its graphs are built (quant/settings.py). Most
+  fields hold "the CPU's code" against "a GPU renderer's": the CPU device and NULL's generic renderer (which schedules as
+  the CPU does: its kernel budgets are the CPU's) take the CPU forms; GPU renderers keep the forms their kernel opts
+  (backend/gpu) and kernel budgets were written for."""
+  device: str
+  half: bool                # a GPU renderer (it launches workgroups): float16 matmul inputs and KV caches by default
+  gemm_panel: int | None    # outputs per panel of a prefill GEMM's unpacked weight (nn/layers.py's matmul lays it out
+                            # `[out / n, in, n]`: each GEMM iteration reads one contiguous run); None: the plain `[in, out]`
+  in_range_gathers: bool    # gather indices taken modulo their axis as unsigned before they index packed weights
+                            # (quant/formats.py's QTensor.__getitem__): clang then proves every row in range and vectorizes
+                            # its loads. A GPU gains nothing, and tinygrad 0.14's WGSL renderer cannot render the 64-bit
+                            # cast it lowers to
+  affine_gemv: bool         # a GEMV over a format with one scale per block sums each block's products before scaling
+                            # them (quant/formats.py's linear): a multiply per weight saved, and an integer add where the
+                            # format has an offset (Q4_0's -8), which is what the CPU's code is bound by
+  expert_tiles: bool        # a prefill chunk's routed experts run as tiles of tokens grouped by expert (nn/moe.py): each
+                            # weight value unpacked once per tile, not once per (token, expert) pair
+  rotated_q_stored: bool    # a decode step's GQA stores its rotated q once (one more kernel a layer) instead of rotating it
+                            # again for every cached key its scores kernel reads (nn/gqa.py)
+  norm_stored: bool         # a norm's output materialised before the matmuls that read it (one more kernel a norm): left
+                            # lazy it is recomputed per output row of every GEMV that reads it, a multiply and a division
+                            # per weight value, which bound the CPU's packed GEMVs
+  absorb_gemm: bool         # a chunk's attn_v_b product unpacks its weight as `[H, in, out]` for kernel_opts' GEMM
+                            # (nn/mla.py)
+  int_dot_formats: frozenset[str]  # weight formats whose GEMVs take llama.cpp's integer block dot products
+                            # (quant/intdot.py), which "auto" numerics round for (quant/activations.py)
+  widen_weights: bool       # dense weights in formats the CPU's code handles slowly re-encoded at load (models/widen.py)
+
+INT_DOT_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0"})  # the weight formats quant/intdot.py has kernels for
+
+def capabilities(device: str | None = None) -> Capabilities:
+  """`device`'s capabilities under the current TG_DS4_* knobs: `TG_DS4_AFFINE_GEMV=0`, `TG_DS4_EXPERT_TILES=0`,
+  `TG_DS4_INT_DOT=0` and `TG_DS4_WIDEN=0` turn their field off; `TG_DS4_KERNEL_OPTS=0` (or another tinygrad release) the
+  forms made for our kernel heuristic."""
+  device = Device.canonicalize(device or Device.DEFAULT)
+  ren, on = Device[device].renderer, lambda knob: os.environ.get(knob, "1") != "0"
+  cpu_forms, opts = not ren.has_local, compat.kernel_opts_on()
+  int_dot = (on_cpu(device) and compat.internals_match() and on("TG_DS4_INT_DOT") and _avx2_cpu() and isinstance(ren, compat.ClangRenderer))
+  return Capabilities(
+    device=device, half=ren.has_local, gemm_panel=_cpu_panel() if on_cpu(device) and opts else None,
+    in_range_gathers=getattr(ren, "has_threads", False), affine_gemv=cpu_forms and opts and on("TG_DS4_AFFINE_GEMV"),
+    expert_tiles=cpu_forms and on("TG_DS4_EXPERT_TILES"), rotated_q_stored=cpu_forms, norm_stored=cpu_forms, absorb_gemm=cpu_forms and opts,
+    int_dot_formats=INT_DOT_FORMATS if int_dot else frozenset(), widen_weights=on_cpu(device) and on("TG_DS4_WIDEN"))
+
+def _cpu_panel() -> int:
+  from tg_ds4.backend.cpu.kernel_opts import CPU  # imported only where compat allows (it patches tinygrad's internals)
   return CPU.panel
-
-def in_range_gathers(device: str) -> bool:
-  """Whether a gather index (expert or token ids, always in range) is taken modulo its axis as unsigned before it
-  indexes packed weights on `device`: the CPU's C compiler can then prove every gathered row in range and vectorizes
-  its loads (quant/formats.py's QTensor.__getitem__). Off elsewhere: a GPU gains nothing, and tinygrad 0.14's WGSL
-  renderer cannot render the 64-bit cast the unsigned modulo lowers to (`KeyError: dtypes.long`)."""
-  return getattr(Device[device].renderer, "has_threads", False)
-
-def affine_gemv(device: str) -> bool:
-  """Whether a GEMV over a format with one scale per block (Q4_0, Q8_0, ...) sums each block's products before scaling
-  them (quant/formats.py's linear): on the CPU this saves a multiply per weight, and an integer add per weight where
-  the format has an offset (Q4_0's -8), which is what its code is bound by. GPU renderers keep the per-value form
-  their kernel opts (backend/gpu) were written for; NULL's generic renderer schedules as the CPU does (its kernel
-  budgets are the CPU's). `TG_DS4_AFFINE_GEMV=0` keeps the per-value form."""
-  return not Device[device].renderer.has_local and compat.kernel_opts_on() and os.environ.get("TG_DS4_AFFINE_GEMV", "1") != "0"
-
-def expert_tiles(device: str) -> bool:
-  """Whether a prefill chunk's routed experts run as tiles of tokens grouped by expert (nn/moe.py's MoE.experts): each
-  weight value unpacked once per tile instead of once per (token, expert) pair, which bounds the CPU's packed GEMVs.
-  On the CPU and NULL's generic renderer; GPU renderers keep the per-pair GEMVs their kernel budgets were counted
-  with. `TG_DS4_EXPERT_TILES=0` keeps the per-pair GEMVs."""
-  return not Device[device].renderer.has_local and os.environ.get("TG_DS4_EXPERT_TILES", "1") != "0"
-
-def rotated_q_stored(device: str) -> bool:
-  """Whether a decode step's GQA attention stores its rotated q once (one more kernel per layer) instead of rotating q
-  again for every cached key its scores kernel reads: on the CPU (and NULL's generic renderer, which schedules as the
-  CPU does) the rotation per key costs more than the scores themselves; GPU renderers keep the kernel count their
-  budgets hold."""
-  return not Device[device].renderer.has_local
-
-def norm_stored(device: str) -> bool:
-  """Whether a norm's output is materialised before the matmuls that read it (one more kernel per norm). Left lazy it
-  fuses into every GEMV and GEMM that reads it and is recomputed for each output row: a multiply by the norm's weight
-  and a division by the root mean square per weight value, which bound the CPU's packed GEMVs. On the CPU and NULL's
-  generic renderer; GPU renderers keep the kernel count their budgets hold."""
-  return not Device[device].renderer.has_local
-
-def absorb_gemm(device: str) -> bool:
-  """Whether a chunk's attn_v_b product (nn/mla.py's _absorb) unpacks its weight as `[H, in, out]` for kernel_opts'
-  GEMM. On the CPU and NULL's generic renderer; GPU renderers keep the `[H, out, in]` copy their kernels were counted
-  with."""
-  return not Device[device].renderer.has_local and compat.kernel_opts_on()
-
-INT_DOT_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # the weight formats quant/intdot.py has kernels for
 
 @functools.cache
 def _avx2_cpu() -> bool:
   from tg_ds4.backend.cpu.kernel_opts import _cpu_flags  # the one reading of /proc/cpuinfo; imported only where compat allows
   return platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "f16c", "fma"} <= set(_cpu_flags().split())
-
-def int_dot_available(device: str) -> bool:
-  """Whether `device` runs integer block dot products (quant/intdot.py): the CPU device, tinygrad's internals as
-  backend/compat.py expects, an x86 CPU with AVX2, F16C and FMA, `TG_DS4_INT_DOT` not 0."""
-  return (on_cpu(device) and compat.internals_match() and os.environ.get("TG_DS4_INT_DOT", "1") != "0" and _avx2_cpu()
-          and isinstance(Device[device].renderer, compat.ClangRenderer))
-
-def int_dot_format(weight_type: str | None, device: str) -> bool:
-  """Whether `device` takes integer block dot products for `weight_type` weights (None: for any type): Q4_0/Q4_1/Q8_0
-  where int_dot_available. The "auto" numerics (quant/activations.py) round exactly these."""
-  return int_dot_available(device) and (weight_type is None or weight_type in INT_DOT_FORMATS)
 
 def prepare_device(device: str) -> None:
   """Before anything is lowered for `device`: our kernel heuristic (backend/cpu/kernel_opts.py on CPU renderers, the
@@ -97,11 +88,6 @@ def prepare_device(device: str) -> None:
   if cpu and compat.kernel_opts_on() and isinstance(ren.compiler, compat.ClangCompiler):
     from tg_ds4.backend.cpu import compiler  # a batched GEMV's accumulators vectorized per row (see compiler.py)
     compiler.add_flags(ren.compiler)
-
-def widens_weights(device: str) -> bool:
-  """Whether dense weights in formats the CPU's code handles slowly are re-encoded with the same values at load
-  (models/widen.py): on the CPU, unless `TG_DS4_WIDEN=0`."""
-  return on_cpu(device) and os.environ.get("TG_DS4_WIDEN", "1") != "0"
 
 def replay(captured: CapturedJit, device: str | None) -> CapturedJit:
   """How a captured step is replayed on `device`: natively on the CPU (backend/cpu/replay.py), else as tinygrad does."""

@@ -25,12 +25,16 @@ import hashlib, json, os, pathlib, re, struct, weakref
 from dataclasses import dataclass
 from typing import Any
 
+import gguf
 import numpy as np
+from gguf.quants import quantize as gguf_quantize
 from tinygrad import Device, Tensor, UOp, dtypes
 
 from tg_ds4.backend.buffers import device_buffer, host_tensor
 from tg_ds4.io.gguf import GGUFError, GGUFFile, TensorInfo
+from tg_ds4.io.hf_tokenizer import tokenizer_metadata
 from tg_ds4.quant.formats import QTYPE_BY_NAME, QTensor
+from tg_ds4.quant.kquant_writer import quantize_q4_k
 
 # config.json "architectures"[0] -> GGUF architecture
 ARCHS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "DeepseekV2ForCausalLM": "deepseek2", "DeepseekV3ForCausalLM": "deepseek2",
@@ -246,7 +250,6 @@ class Checkpoint:
       raise GGUFError(f"{self.path / 'config.json'}: architecture {arch_name!r} is not supported for checkpoint folders "
                       f"(supported: {', '.join(ARCHS)})")
     self.metadata: dict[str, Any] = {"general.name": self.path.name, **model_metadata(arch, cfg)}
-    from tg_ds4.io.hf_tokenizer import tokenizer_metadata
     self.metadata.update(tokenizer_metadata(self.path, cfg))
     self.paths = self._shards()
     sources: dict[str, Source] = {}
@@ -389,9 +392,6 @@ class Checkpoint:
     how, srcs = self.parts[name]
     if how in ("generated", "shift") or info.qtype.name == srcs[0].dtype:
       return np.ascontiguousarray(self.host_array(name)).view(np.uint8).reshape(-1)
-    import gguf
-    from gguf.quants import quantize as gguf_quantize
-    from tg_ds4.quant.kquant_writer import quantize_q4_k
     qt, row_bytes = gguf.GGMLQuantizationType[info.qtype.name], info.shape[-1] // info.qtype.block * info.qtype.nbytes
     quantize = quantize_q4_k if info.qtype.name == "Q4_K" else lambda f: gguf_quantize(f, qt)
     out = np.empty((int(np.prod(info.shape[:-1], dtype=np.int64)), row_bytes), np.uint8)

@@ -48,7 +48,7 @@ from tg_ds4.nn.layers import Embedding, Linear, Param, Params, RMSNorm, load_wei
 from tg_ds4.nn.moe import MoE
 from tg_ds4.nn.rope import apply_rope, rope_table
 from tg_ds4.nn.topk import NEG, arange, topk_mask
-from tg_ds4.quant import activations, precision
+from tg_ds4.quant import activations, settings
 from tg_ds4.quant.formats import QTensor, Weight, as_tensor, dot_lanes, linear
 
 POS_BASE = 2048  # the raw ring's position columns: every integer below it is exact in float16
@@ -327,7 +327,7 @@ class DS4Attention:
   def select(self, x: Tensor, qr: Tensor, start_pos: int | UOp, tabs: Tables, ok: Tensor) -> Tensor:
     """Indexer: which compressed rows each query attends, `[T, n]` bool (`ok`: the rows it may see). Float32 at any
     precision: the top-k is a discrete choice (half-rounded scores flip near-ties), like the router's."""
-    with precision.matmuls_in(dtypes.float32): return self._select(x, qr, start_pos, tabs, ok)
+    with settings.override(matmul=dtypes.float32): return self._select(x, qr, start_pos, tabs, ok)
 
   def _select(self, x: Tensor, qr: Tensor, start_pos: int | UOp, tabs: Tables, ok: Tensor) -> Tensor:
     cfg, (B, T, _) = self.cfg, x.shape
@@ -382,7 +382,7 @@ class DS4MoE(MoE):
 
   def route(self, x: Tensor, tokens: Tensor | UOp | None = None) -> tuple[Tensor, Tensor]:
     if not hasattr(self, "ffn_gate_tid2eid"): return super().route(x)
-    with precision.matmuls_in(dtypes.float32): logits = self.ffn_gate_inp(x)  # float32 at any precision, as MoE.route
+    with settings.override(matmul=dtypes.float32): logits = self.ffn_gate_inp(x)  # float32 at any precision, as MoE.route
     cfg, probs = self.cfg, logits.softplus().sqrt()
     t = self.ffn_gate_tid2eid.weight
     ids = (t[tokens:tokens + 1] if isinstance(tokens, UOp) else t[tokens])
@@ -448,19 +448,19 @@ class DS4Transformer:
     if slots != 1: raise ValueError(f"{gf.path}: deepseek4 runs one sequence at a time (its ring caches have no slots yet), {slots} were asked for")
     model = cls(cfg)
     load_weights(model, gf, device)
-    model.max_ctx, model.numerics, model.precision = max_ctx, numerics, precision.for_device(device)
+    model.max_ctx, model.settings = max_ctx, settings.Settings.for_model(device, numerics)
     C = cls.PREFILL_CHUNK
     rows = -(-(max_ctx + 2 * C + 128 * 2) // 128) * 128   # padded chunks, candidate windows; a multiple of every ratio
     main, comp = rope_table(cfg.rope, rows, device), rope_table(cfg.rope_comp, rows, device)
     conj = Tensor([1.0, -1.0], device=device)
     model.tabs = Tables(main, comp, (main * conj).realize(), (comp * conj).realize())
-    for b in model.blk: b.attn.init_cache(max_ctx, C, device, model.precision.cache)
+    for b in model.blk: b.attn.init_cache(max_ctx, C, device, model.settings.cache)
     return model
 
   def forward(self, tokens: Tensor | UOp, start_pos: int | UOp, last_only: bool = False, select: Tensor | None = None) -> Tensor:
     """tokens `[1, T]` int32 (T <= PREFILL_CHUNK) or one token as a bound variable, at positions start_pos.. -> logits
     `[1, T, vocab]` (or `[1, 1, vocab]` for the last / the one-hot `select`ed position)."""
-    with activations.numerics(self.numerics), precision.matmuls_in(self.precision.matmul):
+    with self.settings.active():
       e = self.token_embd(tokens)
       B, T, D = e.shape
       assert T <= self.PREFILL_CHUNK, f"{T} tokens in one forward, at most {self.PREFILL_CHUNK}"

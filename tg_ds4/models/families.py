@@ -14,14 +14,14 @@ from tg_ds4.config import ModelConfig
 from tg_ds4.io.gguf import GGUFError, GGUFFile
 from tg_ds4.models.deepseek4 import DS4Config, DS4Transformer
 from tg_ds4.models.transformer import Transformer
-from tg_ds4.quant import activations
+from tg_ds4.quant import settings
 
 
 class Model(Protocol):
   """A loaded model: a forward over its own caches, the cache layout, and how far a cached prefix can be reused."""
   cfg: Any                          # ModelConfig or DS4Config: n_vocab, ctx_len, ...
   max_ctx: int
-  numerics: str                     # activations.NUMERICS: how quantized matmuls treat their inputs
+  settings: settings.Settings        # the device's capabilities, the numerics and precision its graphs are built with
   PREFILL_CHUNKS: tuple[int, ...]   # token counts of the captured prefill steps, ascending
   PREFILL_CHUNK: int                # the most tokens one prefill step writes (the caches' slack past max_ctx)
   MAX_FORWARD_TOKENS: int | None    # the most tokens one forward takes; None: any
@@ -65,14 +65,14 @@ DEFAULT_CONTEXT = 4096  # the CLI's and the server's context when none is given,
 
 def default_context(gf: GGUFFile) -> int: return min(DEFAULT_CONTEXT, config_of(gf).ctx_len)
 
-def load_model(gf: GGUFFile, device: str, max_ctx: int | None = None, numerics: str = "auto", slots: int = 1) -> Model:
+def load_model(gf: GGUFFile, device: str, max_ctx: int | None = None, numerics: str = settings.DEFAULT_NUMERICS, slots: int = 1) -> Model:
   """The model of `gf`: config, weights (packed, mmapped), caches for `max_ctx` positions (default: the file's context).
   A context past the trained one is allowed, as llama.cpp allows it, with one warning: the math is defined there (RoPE
   of any position), only the model's quality is not. `numerics`: how quantized matmuls treat their inputs
-  (activations.py: "auto", "exact" or "llama.cpp")."""
+  (quant/activations.py: "auto", "exact" or "llama.cpp")."""
   cfg = config_of(gf)
   if (max_ctx := max_ctx or cfg.ctx_len) > cfg.ctx_len and getattr(cfg, "pos_embd", False):
     raise GGUFError(f"{gf.path}: learned positions (position_embd) for {cfg.ctx_len} tokens, a context of {max_ctx} was asked for")
   if max_ctx > cfg.ctx_len:
     logging.getLogger("tg_ds4").warning("%s: a context of %d positions exceeds the %d the model was trained for", gf.path.name, max_ctx, cfg.ctx_len)
-  return ARCHS[gf.arch].model.load(cfg, gf, device, max_ctx, activations.check(numerics), slots)
+  return ARCHS[gf.arch].model.load(cfg, gf, device, max_ctx, settings.check(numerics), slots)

@@ -20,7 +20,7 @@ from tg_ds4.nn.layers import Embedding, LayerNorm, Linear, Param, Params, RMSNor
 from tg_ds4.nn.mla import MLA
 from tg_ds4.nn.moe import FFN, MoE
 from tg_ds4.nn.rope import rope_table
-from tg_ds4.quant import activations, precision
+from tg_ds4.quant import settings
 from tg_ds4.quant.formats import QTensor, as_tensor
 
 
@@ -103,11 +103,12 @@ class Transformer:
     for i, b in enumerate(model.blk):
       if cfg.mla and f"blk.{i}.attn_k_b.weight" not in gf: _split_kv_b(b.attn, gf, i, device)
     load_weights(model, gf, device, rename)
-    widen.prepare(model, device, numerics)
+    model.settings = settings.Settings.for_model(device, numerics)
+    widen.prepare(model, model.settings)
     for b in model.blk:
       b.fuse()
       compat.release_freed_buffers(device)  # the rows it replaced, if they were in memory (a quantized checkpoint)
-    model.max_ctx, model.numerics, model.precision = max_ctx, numerics, precision.for_device(device)
+    model.max_ctx = max_ctx
     rows = max_ctx + cls.PREFILL_CHUNK  # slack for the padded tail of the last prefill chunk
     model.rope = rope_table(cfg.rope, rows, device, _rope_freqs(gf, cfg.rope.dim)) if cfg.rope.dim else None
     if cfg.pos_embd:  # float rows, with zero rows for a padded chunk's tail past the last position
@@ -118,7 +119,7 @@ class Transformer:
     # (llama.cpp's rope_freq_scale_train_swa stays 1 for gemma3/gemma4: Gemma 3 4B-27B files say factor 8 for the rest)
     rope_swa = dataclasses.replace(cfg.rope, base=cfg.rope_base_swa, dim=cfg.rope_dim_swa or cfg.rope.dim, freq_scale=1.0)
     model.rope_swa = rope_table(rope_swa, rows, device) if cfg.swa_layers else None
-    for b in model.blk: b.attn.init_cache(rows, device, model.precision.cache, slots)
+    for b in model.blk: b.attn.init_cache(rows, device, model.settings.cache, slots)
     model.slots = slots
     return model
 
@@ -129,7 +130,7 @@ class Transformer:
     (last_only) or for the position picked by the one-hot `select` `[1, T, 1]` (a JIT input, unlike a Python index).
     A batched step: one token per row as bound variables, and `start_pos` the rows' slots and positions (nn/cache_rows.py's
     Rows) -> `[B, 1, vocab]`."""
-    with activations.numerics(self.numerics), precision.matmuls_in(self.precision.matmul):
+    with self.settings.active():
       x = Tensor.cat(*[self.token_embd(t) for t in tokens]) if isinstance(tokens, list) else self.token_embd(tokens)
       if self.cfg.embed_scale != 1.0: x = x * self.cfg.embed_scale
       if self.cfg.pos_embd: x = x + Rows.of(start_pos).table(self.pos_rows, x.shape[1])

@@ -1,7 +1,6 @@
-"""Weights re-encoded for the CPU's code with identical values: a per-device choice (backend.widens_weights)."""
+"""Weights re-encoded for the CPU's code with identical values: a per-device choice (backend.Capabilities.widen_weights)."""
 from math import prod
 
-from tg_ds4 import backend
 
 from tg_ds4.nn.layers import Linear, packed_weights
 from tg_ds4.quant.formats import K_WIDENED, q5_0_as_q8_0, widen_k_quant
@@ -21,8 +20,8 @@ def widen_for_cpu(model) -> None:
   if sum(prod(w.shape) * K_WIDENED[w.qtype.name].nbytes // K_WIDENED[w.qtype.name].block - w.nbytes for _, w in k) <= WIDEN_K_MAX_EXTRA:
     for owner, w in k: owner.weight = widen_k_quant(w)
 
-def prepare(model, device: str, numerics: str) -> None:
-  """After the weights are loaded: `widen_for_cpu` where the backend asks for it. Not under "llama.cpp" numerics, which
-  round every matmul's input by the file's weight format (a Q5_0 weight's input as a Q8_0 one's: "auto" rounds it once
-  widened)."""
-  if backend.widens_weights(device) and numerics != "llama.cpp": widen_for_cpu(model)
+def prepare(model, settings) -> None:
+  """After the weights are loaded: `widen_for_cpu` where the device's capabilities ask for it (`settings`: the model's
+  quant/settings.py Settings). Not under "llama.cpp" numerics, which round every matmul's input by the file's weight
+  format (a Q5_0 weight's input as a Q8_0 one's: "auto" rounds it once widened)."""
+  if settings.caps.widen_weights and settings.numerics != "llama.cpp": widen_for_cpu(model)

@@ -20,7 +20,7 @@ from tg_ds4.nn.layers import LayerNorm, Linear
 from tg_ds4.nn.mla import MLA
 from tg_ds4.nn.rope import apply_rope
 from tg_ds4.nn.topk import NEG, topk_mask
-from tg_ds4.quant import precision
+from tg_ds4.quant import settings
 from tg_ds4.quant.formats import dot_lanes
 
 
@@ -63,7 +63,7 @@ class DSA(MLA):
     """The indexer's keys of every row's new positions `LayerNorm(attn_k(x))`, rotated, stored in idx_cache at once."""
     if not hasattr(self, "indexer"): return None
     ix, (B, T, _), D = self.indexer, x.shape, self.cfg.idx_head_dim
-    with precision.matmuls_in(dtypes.float32):
+    with settings.override(matmul=dtypes.float32):
       k = self._rope_head(ix.k_norm(ix.attn_k(x)).reshape(B, T, 1, D), rope, rows).reshape(B, T, D)
     return store_rows(self.idx_cache, k, rows)
 
@@ -73,7 +73,7 @@ class DSA(MLA):
     attends over the k selected rows only, gathered from the cache: its attention costs k rows, not the context."""
     T, cap, k = x.shape[1], cache.shape[1], self.cfg.idx_top_k
     if keys is not None:
-      with precision.matmuls_in(dtypes.float32): keep = self._select(x, qr, keys, slot, start_pos, rope)  # [T, S]
+      with settings.override(matmul=dtypes.float32): keep = self._select(x, qr, keys, slot, start_pos, rope)  # [T, S]
       sel = {"keep": keep}
       if T == 1 and cap > k:  # positions past the context are never selected: pad the symbolic row to the cache's rows
         sel["idx"], sel["valid"] = compact(keep[0].pad(((0, cap - keep.shape[1]),)), k)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from tinygrad import Device, Tensor, UOp, dtypes
 
-from tg_ds4.backend import rotated_q_stored
 from tg_ds4.backend.buffers import zeros
 from tg_ds4.config import ModelConfig
 from tg_ds4.nn.cache_rows import Rows, slot_rows, store_rows
 from tg_ds4.nn.layers import Linear, RMSNorm
 from tg_ds4.nn.mla import causal_mask
 from tg_ds4.nn.rope import apply_rope
+from tg_ds4.quant import settings
 
 
 class GQA:
@@ -81,10 +81,10 @@ class GQA:
       # decode: 16 lane accumulators per score, as in quant/formats.py's linear (vector multiply-adds). No reshape touches the
       # symbolic length: the cache is split into lanes before the slot's slice, and the scores get their trailing axis
       # from q's shape, not from a reshape; across the length tinygrad indexes with an integer division and modulo by
-      # it per key. Rotated q is stored once where backend.rotated_q_stored says so, instead of rotated per key.
+      # it per key. Rotated q is stored once where the device's capabilities say so (rotated_q_stored), instead of rotated per key.
       S = start_pos + T
       k = slot_rows(cache.reshape(*cache.shape[:3], (D + Dv) // 16, 16), slot, S)[..., :D // 16, :]
-      q16 = (q.contiguous() if rotated_q_stored(cache.device) else q).reshape(B, KV, H // KV, T, 1, D // 16, 16, 1)
+      q16 = (q.contiguous() if settings.current(cache.device).caps.rotated_q_stored else q).reshape(B, KV, H // KV, T, 1, D // 16, 16, 1)
       k16 = k.permute(0, 2, 1, 3, 4).unsqueeze(2).unsqueeze(3).unsqueeze(-1)                                  # [1,KV,1,1,S,D/16,16,1]
       scores = (q16 * k16).sum(-3).sum(-2) * cfg.kq_scale                                                      # [B,KV,G,T,S,1]
       if mask is not None: scores = scores + mask.T

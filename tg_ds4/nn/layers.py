@@ -12,13 +12,12 @@ import numpy as np
 
 from tinygrad import Tensor, UOp, dtypes
 
-from tg_ds4 import backend
 from tg_ds4.backend.buffers import host_copy, host_tensor
 from tg_ds4.backend.compat import prod
 from tg_ds4.io.gguf import GGUFError, GGUFFile
+from tg_ds4.quant import settings
 from tg_ds4.quant.activations import round_activations
 from tg_ds4.quant.formats import LANES_MAX_ROWS, QTensor, Weight, as_tensor, linear, panel_gemm
-from tg_ds4.quant.precision import matmul_dtype
 
 
 class Param:
@@ -51,10 +50,10 @@ def matmul(x: Tensor, w: Weight, bias: Weight | None = None) -> Tensor:
   step = x.ndim == 3 and x.shape[1] == 1 and prod(x.shape[:-1]) <= LANES_MAX_ROWS
   if isinstance(w, QTensor) and w.qtype.quantized and prod(x.shape[:-1]) > 1 and not step and prod(w.shape) * 4 <= Linear.HOIST_MAX_BYTES:
     x = round_activations(x, w.qtype.name)
-    if w.ndim == 2 and (n := backend.gemm_panel(w.device)) and w.shape[0] % n == 0:
-      return panel_gemm(x, w.dequant(matmul_dtype()), n, bias)
+    if w.ndim == 2 and (n := settings.current(w.device).caps.gemm_panel) and w.shape[0] % n == 0:
+      return panel_gemm(x, w.dequant(settings.current(w.device).matmul), n, bias)
     # stored [in, out]: the GEMM holds a vector of outputs per weight load (see kernel_opts)
-    return linear(x, w.dequant(matmul_dtype()).T.contiguous().T, bias)
+    return linear(x, w.dequant(settings.current(w.device).matmul).T.contiguous().T, bias)
   return linear(x, w, bias)
 
 def fusable(*parts: Linear) -> bool:
@@ -97,8 +96,9 @@ class RMSNorm:
     return x * (sq.mean(-1, keepdim=not per_element) + self.eps).rsqrt() * as_tensor(self.weight)
 
 def matmul_input(x: Tensor) -> Tensor:
-  """A norm's output `x` as the matmuls after it read it: materialised where backend.norm_stored says so."""
-  return x.contiguous() if backend.norm_stored(x.device) else x
+  """A norm's output `x` as the matmuls after it read it: materialised where the device's capabilities say so
+  (backend.Capabilities.norm_stored)."""
+  return x.contiguous() if settings.current(x.device).caps.norm_stored else x
 
 class LayerNorm:
   """GPT-2's norm: (x - mean) / sqrt(var + eps) * weight + bias, over the last axis."""

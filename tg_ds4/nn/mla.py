@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from tinygrad import Device, Tensor, UOp, dtypes
 
-from tg_ds4 import backend
 from tg_ds4.backend.buffers import zeros
 from tg_ds4.config import ModelConfig
 from tg_ds4.nn.cache_rows import Rows, slot_rows, store_rows
@@ -15,7 +14,7 @@ from tg_ds4.nn.layers import Linear, Param, Params, RMSNorm, matmul_input
 from tg_ds4.nn.rope import apply_rope
 from tg_ds4.quant.activations import round_activations
 from tg_ds4.quant.formats import QTensor, Weight, dot_lanes, linear
-from tg_ds4.quant.precision import matmul_dtype
+from tg_ds4.quant import settings
 
 
 def causal_mask(T: int, start_pos: int | UOp, window: int = 0) -> Tensor | None:
@@ -38,8 +37,8 @@ def _absorb(x: Tensor, w: Weight, gemm: bool = False) -> Tensor:
   with its rope part, which is no GEMM shape; there the `[H, out, in]` copy is the faster one, each head's output a
   dot product along a contiguous row."""
   if x.shape[-2] == 1 or not (isinstance(w, QTensor) and w.qtype.quantized): return linear(x, w)
-  x, wd = round_activations(x, w.qtype.name), w.dequant(matmul_dtype())
-  if not (gemm and backend.absorb_gemm(w.device)): return linear(x, wd.contiguous())
+  x, wd = round_activations(x, w.qtype.name), w.dequant(settings.current(w.device).matmul)
+  if not (gemm and settings.current(w.device).caps.absorb_gemm): return linear(x, wd.contiguous())
   return linear(x, wd.transpose(-1, -2).contiguous().transpose(-1, -2))
 
 class MLA:

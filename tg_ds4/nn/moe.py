@@ -8,12 +8,10 @@ from __future__ import annotations
 
 from tinygrad import Tensor, dtypes
 
-from tg_ds4 import backend
 from tg_ds4.config import Gating, ModelConfig
 from tg_ds4.nn.layers import Linear, Param, Params, RMSNorm
-from tg_ds4.quant import intdot
+from tg_ds4.quant import intdot, settings
 from tg_ds4.quant.formats import as_tensor, linear
-from tg_ds4.quant.precision import matmuls_in
 
 
 def _rank(x: Tensor) -> Tensor:
@@ -110,7 +108,7 @@ class MoE:
 
   def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
     """x `[B,T,D]` -> (expert ids `[B,T,k]` int32, weights `[B,T,k]`)."""
-    with matmuls_in(dtypes.float32): logits = self.ffn_gate_inp(x)  # the expert choice in float32 at any precision
+    with settings.override(matmul=dtypes.float32): logits = self.ffn_gate_inp(x)  # the expert choice in float32 at any precision
     cfg = self.cfg
     probs = {Gating.SOFTMAX: lambda: logits.softmax(-1), Gating.SIGMOID: lambda: logits.sigmoid(), Gating.SOFTMAX_WEIGHT: lambda: logits,
              Gating.SQRT_SOFTPLUS: lambda: logits.softplus().sqrt()}[cfg.gating]()
@@ -170,9 +168,9 @@ class MoE:
     return y.contiguous() if B * T > 1 else y
 
   def tiled(self, pairs: int, device: str) -> bool:
-    """Whether `pairs` (token, expert) pairs run as expert tiles: where the backend asks for them (backend.expert_tiles)
+    """Whether `pairs` (token, expert) pairs run as expert tiles: where the device's capabilities ask for them (backend.Capabilities.expert_tiles)
     and the tiles, each costing TILE_COST one-pair GEMVs, cost less than the pairs' own GEMVs."""
-    return backend.expert_tiles(device) and TILE_COST * expert_tiles(pairs, self.cfg.n_expert) < pairs  # never one token: k < experts
+    return settings.current(device).caps.expert_tiles and TILE_COST * expert_tiles(pairs, self.cfg.n_expert) < pairs  # never one token: k < experts
 
   def __call__(self, x: Tensor) -> Tensor:
     y = self.experts(x, *self.route(x))

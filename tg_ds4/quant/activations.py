@@ -3,49 +3,35 @@
 llama.cpp's CPU backend does not multiply a quantized weight by float activations: it first rounds each activation row
 to the weight type's "vec_dot_type" (Q8_0/Q8_1 blocks of 32 with an fp16 scale, Q8_K blocks of 256 with an f32 scale,
 or fp16 for F16 weights) and takes integer block dot products. That rounding moves logits by ~0.05-0.2 and can flip
-close greedy choices or MoE routes. The numerics a model's graphs are built under (`numerics()`):
+close greedy choices or MoE routes. The numerics a model's graphs are built under (quant/settings.py):
 - "exact": float math on the exact dequantized weights, the references' arithmetic (transformers on the same values);
 - "llama.cpp": every quantized matmul's input rounded as llama.cpp rounds it, for token-exact comparisons with it;
 - "auto" (what a model loads with unless told otherwise): llama.cpp's rounding for the weight types whose integer dot
-  product the device runs natively (backend.int_dot_format: Q4_0/Q4_1/Q8_0 on an AVX2 CPU, where it is faster than
+  product the device runs natively (backend.Capabilities.int_dot_formats: Q4_0/Q4_1/Q8_0 on an AVX2 CPU, where it is faster than
   exact float math and is what llama.cpp computes for them), exact float math for every other type and device.
-Outside a model's graphs (no `numerics()` active) matmuls are exact. The rounding is expressed as lazy tensor ops and
+Outside a model's graphs matmuls are exact. The rounding is expressed as lazy tensor ops and
 fuses like everything else."""
 from __future__ import annotations
-
-import contextlib, contextvars
 
 from tinygrad import Tensor, dtypes
 
 from tg_ds4 import backend
-
-NUMERICS = ("auto", "exact", "llama.cpp")
-_MODE = contextvars.ContextVar("tg_ds4_numerics", default="exact")
+from tg_ds4.quant import settings
 
 # ggml-cpu's type_traits_cpu[weight].vec_dot_type, by weight type name
 VEC_DOT_TYPE = {"F16": "F16", "Q4_0": "Q8_0", "Q5_0": "Q8_0", "Q8_0": "Q8_0", "MXFP4": "Q8_0", "Q4_1": "Q8_1", "Q5_1": "Q8_1",
                 **{t: "Q8_K" for t in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ4_XS", "TQ1_0", "TQ2_0")}}
 
-def check(mode: str) -> str:
-  if mode not in NUMERICS: raise ValueError(f"numerics {mode!r}: expected one of {', '.join(NUMERICS)}")
-  return mode
-
-@contextlib.contextmanager
-def numerics(mode: str):
-  """Build the graphs inside with quantized matmul inputs treated as `mode` says (one of NUMERICS)."""
-  tok = _MODE.set(check(mode))
-  try: yield
-  finally: _MODE.reset(tok)
-
 def rounds(weight_type: str, device: str) -> bool:
-  """Whether a matmul input for a `weight_type` weight on `device` is rounded as llama.cpp rounds it, here."""
-  if (mode := _MODE.get()) == "exact" or weight_type not in VEC_DOT_TYPE: return False
-  if mode == "llama.cpp": return True
-  return backend.int_dot_format(weight_type, device)
+  """Whether a matmul input for a `weight_type` weight on `device` is rounded as llama.cpp rounds it, under the current
+  settings (quant/settings.py)."""
+  s = settings.current(device)
+  if s.numerics == "exact" or weight_type not in VEC_DOT_TYPE: return False
+  return s.numerics == "llama.cpp" or weight_type in s.caps.int_dot_formats
 
-def effective(mode: str, device: str) -> str:
-  """`mode` as it works out on `device`: "auto" is "exact" where the device has no integer dot product at all."""
-  return "exact" if check(mode) == "auto" and not backend.int_dot_format(None, device) else mode
+def effective(numerics: str, device: str) -> str:
+  """`numerics` as it works out on `device`: "auto" is "exact" where the device has no integer dot product at all."""
+  return "exact" if settings.check(numerics) == "auto" and not backend.capabilities(device).int_dot_formats else numerics
 
 def _blocks(x: Tensor, n: int) -> Tensor: return x.reshape(*x.shape[:-1], x.shape[-1] // n, n)
 

@@ -26,12 +26,10 @@ from typing import Any, Callable
 import numpy as np
 from tinygrad import Tensor, UOp, dtypes
 
-from tg_ds4 import backend
 from tg_ds4.backend.buffers import host_tensor
 from tg_ds4.backend.compat import DType, Ops, prod
-from tg_ds4.quant import intdot
+from tg_ds4.quant import intdot, settings
 from tg_ds4.quant.activations import round_activations
-from tg_ds4.quant.precision import matmul_dtype
 
 # ---------------------------------------------------------------- layouts
 
@@ -391,11 +389,11 @@ class QTensor:
 
   def __getitem__(self, idx) -> QTensor:
     """Index leading axes only (the packed last axis cannot be sliced mid-block). An index tensor (expert or token ids,
-    always in range) is, on the CPU (backend.in_range_gathers), taken modulo the axis as unsigned: the compiler can then
+    always in range) is, on the CPU (backend.Capabilities.in_range_gathers), taken modulo the axis as unsigned: the compiler can then
     prove every gathered row in range and loads its bytes unconditionally, not each behind a bounds check that keeps
     clang from vectorizing the row (a V2-Lite-shaped expert GEMV). A power-of-two axis makes it one `&`; the row offset
     is computed once per row either way."""
-    if isinstance(idx, Tensor) and dtypes.is_int(idx.dtype) and backend.in_range_gathers(self.blocks.device):
+    if isinstance(idx, Tensor) and dtypes.is_int(idx.dtype) and settings.current(self.blocks.device).caps.in_range_gathers:
       idx = (idx.cast(dtypes.uint32) % self.shape[0]).cast(dtypes.int32)
     blocks = self.blocks[idx]
     return QTensor(blocks, self.qtype, (*blocks.shape[:-2], self.shape[-1]), (self._src[0], self._src[1] + (idx,)))
@@ -475,12 +473,12 @@ def linear(x: Tensor, w: Weight, bias: Weight | None = None, dtype: DType | None
   numerics, or "auto" for the formats below), x is first rounded the way llama.cpp rounds the input of a matmul with
   this weight type, and where the backend can (quant/intdot.py: Q4_0/Q4_1/Q8_0 on an AVX2 CPU) the GEMV takes
   llama.cpp's integer block dot products instead of this float form. `dtype`: that of x and the dequantized weight
-  (default precision.matmul_dtype(), float32 unless the model asks for half); accumulation and the result are float32
+  (default: the current settings' matmul type, float32 unless the model asks for half); accumulation and the result are float32
   either way. The per-block form of a format that has one (QuantType.affine) is for one row of x only: with several
   rows (a batched step) and with `affine=False` (nn/moe.py's expert tiles, whose rows gather the same weight) each
   value is unpacked whole, so each row costs one multiply-add per value, where the affine sums cost a multiply and an
   add per row and value."""
-  dtype, f32 = dtype or matmul_dtype(), dtypes.float32
+  dtype, f32 = dtype or settings.current(x.device).matmul, dtypes.float32
   if isinstance(w, QTensor) and (y := intdot.try_linear(x, w)) is not None: return y if bias is None else y + as_tensor(bias, f32)
   if isinstance(w, QTensor): x = round_activations(x, w.qtype.name)
   if isinstance(w, QTensor) and w.qtype.quantized:
@@ -496,7 +494,7 @@ def linear(x: Tensor, w: Weight, bias: Weight | None = None, dtype: DType | None
         li = p.ndim - k + 1 + lay.order.index(lay.lane)
         p = p.reshape(*p.shape[:li], n // wd, wd, *p.shape[li + 1:])
         return p.permute(*(i for i in range(p.ndim) if i != li + 1), li + 1)     # the lanes last, the rest in load order
-      if qt.affine is not None and prod(lay.shape) > wd and backend.affine_gemv(w.device) and affine and rows == 1:
+      if qt.affine is not None and prod(lay.shape) > wd and settings.current(w.device).caps.affine_gemv and affine and rows == 1:
         # per block and lane: d * (sum x q + c * sum x), the sums over the block's values that share the lane; c * sum x
         # once per x (a small kernel of its own), not per output row
         d, q, c = w.affine(wd, dtype)

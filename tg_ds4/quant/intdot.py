@@ -12,8 +12,8 @@ Several rows of x (a batched step) share each unpacked weight block and keep the
 does not depend on how many rows run with it. A gathered weight (nn/moe.py's experts: `QTensor[idx]`) reads each
 selected matrix through its index.
 
-Used where `backend.int_dot_available` says: the CPU device, tinygrad's internals as backend/compat.py expects, an x86
-CPU with AVX2 and F16C, `TG_DS4_INT_DOT` not 0."""
+Used where the device's capabilities list the format (backend.Capabilities.int_dot_formats: the CPU device, tinygrad's
+internals as backend/compat.py expects, an x86 CPU with AVX2 and F16C, `TG_DS4_INT_DOT` not 0)."""
 from __future__ import annotations
 
 
@@ -21,7 +21,7 @@ from tinygrad import Device, Tensor, dtypes
 
 from tg_ds4 import backend
 from tg_ds4.backend.compat import AxisType, Estimates, KernelInfo, Ops, UOp, prod
-from tg_ds4.quant import activations
+from tg_ds4.quant import activations, settings
 
 FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # block bytes: an fp16 scale (Q4_1: and an fp16 minimum), then nibbles or int8
 assert set(FORMATS) == set(backend.INT_DOT_FORMATS)
@@ -30,7 +30,7 @@ MAX_ROWS = 8                        # rows of x per weight matrix kept in regist
 def takes(w) -> bool:
   """Whether a GEMV over `w` (packed, on its device) takes this path at all, whatever x: the format and the rounding."""
   name, device = getattr(getattr(w, "qtype", None), "name", None), str(w.device)
-  return name in FORMATS and activations.rounds(name, device) and backend.int_dot_available(device)
+  return name in settings.current(device).caps.int_dot_formats and activations.rounds(name, device)
 
 def try_linear(x: Tensor, w) -> Tensor | None:
   """`x @ w.T` by this path, or None where it does not apply (quant.formats.linear then computes it in float)."""

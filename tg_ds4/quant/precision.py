@@ -8,10 +8,10 @@ the indexer (queries, weights, its compressed keys: a top-k), the compressors' p
 raw KV ring and compressed rows are the half cache. `TG_DS4_PRECISION=f32` (or `f16`) overrides the device's default."""
 from __future__ import annotations
 
-import contextlib, contextvars, os
+import os
 from dataclasses import dataclass
 
-from tinygrad import Device, dtypes
+from tinygrad import dtypes
 
 from tg_ds4.backend.compat import DType
 
@@ -23,21 +23,9 @@ class Precision:
 F32, F16 = Precision(dtypes.float32, dtypes.float32), Precision(dtypes.float16, dtypes.float16)
 NAMES = {"f32": F32, "f16": F16}
 
-def for_device(device: str | None) -> Precision:
+def for_caps(caps) -> Precision:
+  """The precision on a device with `caps` (backend.Capabilities): half on a GPU renderer, float32 on the CPU and the
+  plain NULL device (the CPU's schedule without running it), unless TG_DS4_PRECISION says otherwise."""
   if (name := os.environ.get("TG_DS4_PRECISION", "")) and name not in NAMES:
     raise ValueError(f"TG_DS4_PRECISION={name!r}: expected one of {', '.join(NAMES)}")
-  if name: return NAMES[name]
-  # a GPU: its renderer launches workgroups (CUDA, Metal, AMD, OpenCL, WebGPU, and PYTHON, which emulates them); the
-  # CPU's renderer and the plain NULL device (the CPU's schedule without running it) do not
-  return F16 if Device[device or Device.DEFAULT].renderer.has_local else F32
-
-_MATMUL = contextvars.ContextVar("tg_ds4_matmul_dtype", default=dtypes.float32)
-
-@contextlib.contextmanager
-def matmuls_in(dtype: DType):
-  """Build the graphs inside with matmul inputs in `dtype` (quant.linear's default)."""
-  tok = _MATMUL.set(dtype)
-  try: yield
-  finally: _MATMUL.reset(tok)
-
-def matmul_dtype() -> DType: return _MATMUL.get()
+  return NAMES[name] if name else F16 if caps.half else F32

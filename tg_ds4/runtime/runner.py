@@ -35,7 +35,7 @@ from tg_ds4.io.gguf import GGUFFile
 from tg_ds4.io.hf_folder import open_model
 from tg_ds4.models.families import Model, load_model
 from tg_ds4.nn.cache_rows import Rows
-from tg_ds4.quant import activations, formats
+from tg_ds4.quant import activations, formats, settings
 from tg_ds4.runtime import stepcache
 from tg_ds4.runtime.jit import Jit
 from tg_ds4.runtime.sampling import SamplingParams, greedy, inputs, rng, sample
@@ -128,7 +128,7 @@ class Runner:
 
   @staticmethod
   def load(path: str | pathlib.Path | GGUFFile, max_ctx: int | None = None, device: str | None = None,
-           numerics: str = "auto", parallel: int = 1) -> Runner:
+           numerics: str = settings.DEFAULT_NUMERICS, parallel: int = 1) -> Runner:
     """Load a model for `max_ctx` positions (default: the file's context). `numerics` (quant/activations.py): "auto"
     takes llama.cpp's rounding and integer dot products where the device runs them natively and exact float math
     elsewhere, "exact" float math everywhere, "llama.cpp" its rounding of every quantized matmul's input (for

@@ -14,15 +14,23 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.routing import Route
 
-from tg_ds4.quant import activations
+from tg_ds4.io.hf_folder import open_model
+from tg_ds4.io.registry import resolve
+from tg_ds4.models.families import default_context
+from tg_ds4.quant import activations, settings
+from tg_ds4.runtime.runner import Runner
 from tg_ds4.server import anthropic_api, openai_api
 from tg_ds4.server.body import BodyLimits, BodySlots
 from tg_ds4.server.connections import BACKLOG, RateLimited, connection_cap, limited_protocol
 from tg_ds4.server.errors import ApiError, api_of
 from tg_ds4.server.guard import Allowed, Guard
+from tg_ds4.server.kvstore import KVStore, model_fingerprint
 from tg_ds4.server.schemas import openapi
 from tg_ds4.server.served import Served
 from tg_ds4.server.wire import JSON
+from tg_ds4.server.worker import Worker
+from tg_ds4.text.chat_template import Template
+from tg_ds4.text.tokenizer import Tokenizer
 
 log = logging.getLogger("tg_ds4.server")
 
@@ -74,18 +82,11 @@ def parse_size(text: str) -> int:
   return int(float(t[:-1] if mult > 1 else t) * mult)
 
 def load(model: str, max_context: int | None, kv_cache_dir: str | None = None, kv_cache_size: int = 2 << 30, kv_cache_min_tokens: int = 256,
-         max_queue: int = 64, warmup: bool = True, quantize: str | None = None, parallel: int = 1, numerics: str = "auto") -> Served:
+         max_queue: int = 64, warmup: bool = True, quantize: str | None = None, parallel: int = 1,
+         numerics: str = settings.DEFAULT_NUMERICS) -> Served:
   """Tokenizer and template here; model and KV store on the worker's thread (see Worker), with `parallel` cache slots
   (requests generated together). Returns once the model is loaded (a bad file raises here); the warm-up compile runs
   on while the server already answers /health."""
-  from tg_ds4.models.families import default_context
-  from tg_ds4.text.chat_template import Template
-  from tg_ds4.io.hf_folder import open_model
-  from tg_ds4.runtime.runner import Runner
-  from tg_ds4.io.registry import resolve
-  from tg_ds4.server.kvstore import KVStore, model_fingerprint
-  from tg_ds4.server.worker import Worker
-  from tg_ds4.text.tokenizer import Tokenizer
   path = pathlib.Path(resolve(model))
   gf = open_model(path, quantize)
   tok, t0 = Tokenizer.from_gguf(gf), time.perf_counter()

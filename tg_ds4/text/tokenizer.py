@@ -31,6 +31,8 @@ import re
 import unicodedata
 from typing import Iterable
 
+from tg_ds4.io.gguf import GGUFFile
+
 # GGUF token types and llama.cpp's token attributes (llama.h)
 UNDEFINED, UNKNOWN, UNUSED, NORMAL, CONTROL, USER_DEFINED, BYTE = 0, 1, 2, 4, 8, 16, 32
 LSTRIP, RSTRIP = 128, 256
@@ -267,7 +269,6 @@ def _clean_spaces(b: bytes) -> bytes:
 def _meta(gf) -> dict:
   if hasattr(gf, "metadata"): return gf.metadata
   if isinstance(gf, dict): return gf
-  from tg_ds4.io.gguf import GGUFFile
   return GGUFFile(gf).metadata
 
 class Tokenizer:

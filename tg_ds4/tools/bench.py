@@ -11,9 +11,12 @@ from tinygrad import Device, GlobalCounters
 from tg_ds4.backend import on_cpu
 from tg_ds4.backend.cache import cache_dir
 from tg_ds4.backend.cpu.replay import engine_threads
+from tg_ds4.io.hf_folder import Checkpoint, open_model
 from tg_ds4.io.registry import resolve
-from tg_ds4.quant import activations
-from tg_ds4.runtime.runner import Runner
+from tg_ds4.models.families import config_of
+from tg_ds4.quant import activations, settings
+from tg_ds4.runtime.batcher import Batcher, Request
+from tg_ds4.runtime.runner import Runner, reusable_prefix
 from tg_ds4.text.tokenizer import Tokenizer
 
 TEXT = ("The ocean covers most of the planet and holds most of its water. Its currents move heat from the equator toward "
@@ -47,7 +50,7 @@ def _prompt(tok: Tokenizer, n: int) -> list[int]:
   if len(ids) < n: raise ValueError(f"could not build a {n}-token prompt")
   return ids
 
-def bench_tg(path, prompt: list[int], gen: int, repeat: int, numerics: str = "auto") -> dict:
+def bench_tg(path, prompt: list[int], gen: int, repeat: int, numerics: str = settings.DEFAULT_NUMERICS) -> dict:
   runner = Runner.load(path, max_ctx=len(prompt) + gen + 8, numerics=numerics)
   for _ in range(2): list(runner.generate(prompt, 4))  # compile + capture both JITs
   prefill, steps = [], []
@@ -66,13 +69,11 @@ def bench_tg(path, prompt: list[int], gen: int, repeat: int, numerics: str = "au
           "kernels_per_step": GlobalCounters.kernel_count, "bytes_per_step": GlobalCounters.global_mem,
           "gbps": GlobalCounters.global_mem / step / 1e9}
 
-def bench_parallel(path, prompt: list[int], gen: int, repeat: int, n: int, numerics: str = "auto") -> dict:
+def bench_parallel(path, prompt: list[int], gen: int, repeat: int, n: int, numerics: str = settings.DEFAULT_NUMERICS) -> dict:
   """n requests at once through batch.Batcher (each its own rotation of the prompt, so no slot reuses another's
   prefix): the median wall of a step in which all n rows produced a token gives the aggregate and per-stream decode
   tok/s; then the time to first token of a short request (8 tokens, none of them in a cache), idle and while n - 1
   long generations run."""
-  from tg_ds4.runtime.batcher import Batcher, Request
-  from tg_ds4.runtime.runner import reusable_prefix
   try: runner = Runner.load(path, max_ctx=len(prompt) + gen + 8, parallel=n, numerics=numerics)
   except ValueError as e: raise BenchError(str(e)) from None
   b = Batcher(runner)
@@ -164,9 +165,7 @@ class BenchError(ValueError):
   """Settings that cannot run on this model (reported as a usage error)."""
 
 def run(model: str, prompt_tokens: int = 128, gen: int = 64, repeat: int = 3, vs_llama_cpp: bool = False, quantize: str | None = None,
-        parallel: int = 1, numerics: str = "auto") -> dict:
-  from tg_ds4.models.families import config_of
-  from tg_ds4.io.hf_folder import Checkpoint, open_model
+        parallel: int = 1, numerics: str = settings.DEFAULT_NUMERICS) -> dict:
   path = resolve(model)
   gf = open_model(path, quantize)
   if vs_llama_cpp and isinstance(gf, Checkpoint): raise BenchError(f"{path}: --vs-llama-cpp runs llama.cpp on a GGUF file, not a checkpoint folder")

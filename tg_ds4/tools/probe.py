@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from tinygrad import Tensor, UOp, dtypes
 
-from tg_ds4.quant import precision
+from tg_ds4.quant import settings
 
 TOP = 5
 
@@ -72,7 +72,7 @@ def run(runner, tokens: list[int], chunk: int | None = None) -> Probe:
   for i, parts in routed.items():
     ids, w = np.concatenate([a for a, _ in parts], axis=1)[0], np.concatenate([b for _, b in parts], axis=1)[0]
     p.routes[i] = (ids.reshape(len(tokens), -1), w.reshape(len(tokens), -1))
-  with precision.matmuls_in(m.precision.matmul):
+  with settings.override(runner.device, numerics="exact", matmul=m.settings.matmul):  # the logit lens: exact float math
     for h in p.hidden:
       top = m.head(Tensor(h[None], device=runner.device)).topk(TOP)
       p.lens.append((top[1].numpy()[0].astype(np.int64), top[0].numpy()[0]))
