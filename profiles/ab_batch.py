@@ -1,8 +1,8 @@
 """Batched decode steps A/B in one process: `python profiles/ab_batch.py MODEL ROWS TG_DS4_KNOB [STEPS]` loads MODEL twice
 with ROWS slots, once with the knob (an environment variable the step reads when it is captured) at 0 and once at 1,
 plus a one-sequence runner, and replays the three captured steps alternately STEPS times (default 30): the median
-wall of each, and each batched step's aggregate against one stream. Alternating step by step cancels this VM's
-drift, which two `bench --parallel` runs minutes apart do not (±15% each). The step cache is keyed by TG_DS4_*
+wall of each, and each batched step's aggregate against one stream. Alternating step by step cancels the machine's
+drift, which two `bench --parallel` runs minutes apart do not. The step cache is keyed by TG_DS4_*
 variables, so a knob with that prefix gets its own captured step."""
 import os, statistics, sys, time
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks, in one run on a machine with an NVIDIA GPU and no network (the tool library's device machines):
+# The GPU checks, in one run on a machine with an NVIDIA GPU and no network access:
 #   1. tests/test_devices.py's decode jobs on the GPU (TG_DS4_GPU) over the whole prompt, float32 and the GPU's default
 #      half precision;
 #   2. the reference tests on the GPU in float32 (TG_DS4_TEST_DEV, TG_DS4_PRECISION=f32): the deepseek2 fixtures,
@@ -10,7 +10,7 @@
 #   5. (STEPS=...parallel...) bench --parallel 4 of the V2-Lite-shaped file: 4 sequences a step where decode reads memory.
 # STEPS picks among jobs, v2lite, stock, f32, parallel and v4 (default: all but parallel and v4).
 # Each step has its own time limit and log under $OUT. Wheels for what the machine lacks (tinygrad, gguf, the server's
-# libraries) travel in .whl/ (see the device tool's README); everything else comes from the machine's python3.
+# libraries) travel in .whl/ at the repository root, installed offline; everything else comes from the machine's python3.
 set -u
 OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1

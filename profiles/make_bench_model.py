@@ -10,7 +10,7 @@
 Files go to `$TG_DS4_CACHE/bench/<preset>-<layers>L-<type>.gguf` (never into the repository) and are rebuilt only when
 missing. The weights are random packed blocks (uniform random quants, block scales set so every matrix has RMS
 1/sqrt(fan_in), which keeps activations O(1) through any depth), norms 1, routers N(0, 1/fan_in): no quantization pass,
-so the 9 GB file takes about a minute, and every byte is written with gguf-py's writer, one tensor at a time. The
+so even the 9 GB file is quick to write, and every byte is written with gguf-py's writer, one tensor at a time. The
 tokenizer is the deepseek2 test fixture's byte-level BPE (512 tokens) padded with unreachable tokens to the real vocabulary
 size, so tg_ds4 and llama.cpp both load it and the benchmark's prompt tokenizes the same in both. Metadata follows
 llama.cpp's converter for these models (MLA with `attn_k_b`/`attn_v_b`, `key_length_mla`, YaRN as in the release).

@@ -3,7 +3,7 @@
   python profiles/side_by_side.py smollm2 [qwen2.5-coder-0.5b gemma3-270m]
 
 64-token prompt, 32 greedy tokens, medians of 3 runs after 2 warm-up runs (tinygrad compiles kernels on first use).
-A stopgap until `python -m tg_ds4 bench --vs-llama-cpp` exists."""
+Several models in one go; for one model, `python -m tg_ds4 bench --vs-llama-cpp` gives the same comparison."""
 import statistics, sys, time
 
 import numpy as np

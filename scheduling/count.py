@@ -37,7 +37,7 @@ def block_kind(model: Model, i: int) -> str:
     (" sandwich" if cfg.sandwich_norm else "") + (" V-norm" if cfg.v_norm else "") + (" SWA" if b.swa else "") + \
     (" layernorm" if cfg.layer_norm else "") + (" sub-norm" if cfg.sub_norm else "") + (" PLE" if cfg.per_layer_dim else "") + \
     (" shared-KV" if getattr(b.attn, "kv_from", None) is not None else "") + \
-    ((" DSA" if hasattr(b.attn, "indexer") else " DSA-shared") if cfg.idx_top_k else "")  # gemma, gpt2, bitnet, gemma4, DSA
+    ((" DSA" if b.attn.indexer is not None else " DSA-shared") if cfg.idx_top_k else "")  # gemma, gpt2, bitnet, gemma4, DSA
 
 def counts(model: Model, T: int) -> dict[str, dict[str, float]]:
   """{block kind: {kernels, bytes, packed}} for T tokens at position 7 (T=1: a decode step; else a prefill chunk), plus
@@ -54,7 +54,7 @@ def counts(model: Model, T: int) -> dict[str, dict[str, float]]:
       s = model.blk[src]
       s(x, pos, model.rope_swa if s.swa else model.rope, kvs, pl).realize()
       kvs[src] = kvs[src].realize()
-    if not ds4 and cfg.idx_top_k and not hasattr(b.attn, "indexer"):  # a shared DSA layer: its source's selection
+    if not ds4 and cfg.idx_top_k and b.attn.indexer is None:  # a shared DSA layer: its source's selection
       kvs.setdefault("dsa", {}).update({k: v.realize() for k, v in kvs.get("dsa", {}).items()})
     GlobalCounters.reset()
     if ds4: b(x, tokens, pos, model.tabs).realize()

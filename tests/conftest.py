@@ -10,8 +10,8 @@ import pytest
 os.environ["DEV"] = os.environ.get("TG_DS4_TEST_DEV", "CPU")  # before anything imports tinygrad
 # The suite's processes (the pytest-xdist workers, the CLI and server subprocesses, the background jobs) take a kernel
 # another one already lowered from the shared program cache (tg_ds4/backend/programs.py), and compile in their own
-# process: pytest-xdist's two workers already fill the two cores, and tinygrad's one-process compile pool per worker
-# only added the pool's start-up and a new process every 16 kernels (~10% of a cold reference run).
+# process: pytest-xdist's two workers already fill the two cores, so tinygrad's one-process compile pool per worker
+# would only add the pool's start-up and a new process every 16 kernels.
 os.environ.setdefault("TG_DS4_PROGRAM_CACHE", "1")
 os.environ.setdefault("PARALLEL", "0")
 sys.path.insert(0, str(pathlib.Path(__file__).parent))

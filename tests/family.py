@@ -19,7 +19,7 @@ def engine_run(path: pathlib.Path, prompt: tuple[int, ...], continuation: tuple[
   chunk, then per-token steps), and generate's greedy continuation of the prompt (as long as `continuation`)."""
   seq, r = list(prompt) + list(continuation[:-1]), Runner.load(path, max_ctx=64, numerics="exact")
   K = r.chunked(len(prompt))
-  assert r._plan(len(prompt), 12) == ([32], 8) and K == 32  # a chunk, then 8 prompt tokens through the per-token step
+  assert r.prefill_plan(len(prompt), 12) == ([32], 8) and K == 32  # a chunk, then 8 prompt tokens through the per-token step
   return {"prefill": r.prefill(seq, chunk=len(seq)).numpy()[0], "engine": r.engine_logits(seq, prefill_tokens=K), "K": K,
           "greedy": list(r.generate(list(prompt), len(continuation)))}
 

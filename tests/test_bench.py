@@ -19,7 +19,7 @@ def test_bench_report_fields():
 
 def test_bench_parallel_report_fields():
   """--parallel: aggregate and per-stream decode from steps where every stream produced a token, and time to first
-  token idle and under load; deepseek4 (no slots yet) is a usage error, not a traceback."""
+  token idle and under load; deepseek4 (no batch slots) is a usage error, not a traceback."""
   root = pathlib.Path(__file__).parent / "fixtures"
   r = bench.run(str(root / "deepseek2" / "ds3" / "ds3-Q4_0.gguf"), prompt_tokens=8, gen=4, repeat=1, parallel=2)
   p = r["parallel"]
@@ -31,7 +31,7 @@ def test_bench_parallel_report_fields():
     bench.run(str(root / "deepseek4" / "flash" / "flash-MXFP4.gguf"), prompt_tokens=8, gen=4, repeat=1, parallel=2)
 
 def test_bench_runs_deepseek4():
-  """The V4 model class has its own config; bench reads the context length from it (it used to reject the arch)."""
+  """The V4 model class has its own config; bench reads the context length from it."""
   path = pathlib.Path(__file__).parent / "fixtures" / "deepseek4" / "flash" / "flash-MXFP4.gguf"
   t = bench.run(str(path), prompt_tokens=8, gen=4, repeat=1)["tg_ds4"]
   assert t["decode_tps"] > 0 and t["kernels_per_step"] >= 3 * 30

@@ -213,8 +213,8 @@ def test_quantizing_load_holds_one_float_tensor_at_a_time(tmp_path):
   """Peak RSS of a --quantize q4_0 load of a ~580 MB float32 checkpoint: at most 1.3x the quantized model plus the largest
   float tensor over the process's RSS before the load (never the whole model in float32, nor the file's pages). The
   process has loaded a tiny model first, so the runtime's one-time setup (~40 MB) is not counted: at this size it would
-  be half the bound. Measured: 131 MB over for 80 MB quantized and a 34 MB largest tensor (bound 138 MB); 146 MB while
-  the rows replaced by gate|up stacking stayed in tinygrad's allocator cache."""
+  be half the bound. Measured: 131 MB over for 80 MB quantized and a 34 MB largest tensor (bound 138 MB); rows replaced
+  by gate|up stacking but left in tinygrad's allocator cache would pass it (146 MB)."""
   largest = _write_big_llama(tmp_path)
   env = {**os.environ, "TG_DS4_STEP_CACHE": "0"}
   out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(tmp_path), str(HF / "llama")], capture_output=True, text=True, env=env, timeout=600)

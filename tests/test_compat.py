@@ -74,9 +74,9 @@ print("done")
 """
 
 def test_a_compile_pool_started_before_a_model_load_keeps_working():
-  """A pool started before the heuristic was installed respawned its workers with tinygrad's initializer, which could no
-  longer be pickled by name once ours replaced it: the pool's worker thread died and the next compile waited forever
-  (seen as a hung suite). install() now shuts such a pool down."""
+  """A pool started before the heuristic is installed would respawn its workers with tinygrad's initializer, which
+  cannot be pickled by name once ours replaces it: the pool's worker thread would die and the next compile wait forever
+  (a hung suite). install() shuts such a pool down."""
   r = subprocess.run([sys.executable, "-c", RECYCLE, str(DS3)], capture_output=True, text=True, timeout=120,
                      env={**os.environ, "DEV": "CPU", "PARALLEL": "2", "BEAM_MAX_TASKS_PER_CHILD": "1", "TG_DS4_STEP_CACHE": "0",
                           "TG_DS4_PROGRAM_CACHE": "0"})  # every kernel compiled here, in the pool

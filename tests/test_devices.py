@@ -35,7 +35,7 @@ print(json.dumps({"grew": peak - base, "device": sum(i.nbytes for i in gf.infos.
 def test_weights_stream_onto_a_device_in_bounded_pieces(tmp_path):
   """A 320 MB file onto the PYTHON device, whose memory is host memory: the load's peak host memory is the device copy
   plus at most two pieces in flight (measured: 384 MiB for 320 MiB), where tinygrad's own disk-to-device copy (the file
-  mapped whole, every page touched while the device copy fills) grew it by 514 MiB."""
+  mapped whole, every page touched while the device copy fills) grows it by 514 MiB."""
   path, rng = tmp_path / "big.gguf", np.random.default_rng(0)
   w = gguf.GGUFWriter(str(path), "llama")
   w.add_tensor("token_embd.weight", rng.integers(0, 255, (64, 4 << 20), dtype=np.uint8).view(np.float32).reshape(64, 1 << 20))  # 256 MB
@@ -136,8 +136,8 @@ def test_moe_fixture_decodes_on_the_emulated_gpu_in_half():
 @pytest.mark.background("ds4-f32")
 def test_deepseek4_fixture_decodes_on_the_emulated_gpu():
   """deepseek4 MXFP4 (hyper-connections, sinks, compressors and indexer, hash routing) in float32 on the emulated GPU,
-  against transformers (the file holds its weights exactly): measured 6.4e-7, 5.6e-7 (before backend/gpu's GEMV opts
-  4.8e-7, 6.2e-7: threads now sum each row in another order)."""
+  against transformers (the file holds its weights exactly): measured 6.4e-7, 5.6e-7 (backend/gpu's GEMV
+  opts split each row's sum over threads, so the order differs from the CPU's)."""
   rel, same = job_result("ds4-f32")
   print(f"\ndeepseek4 MXFP4 on {GPU} vs transformers: {show(rel)}")
   assert max(rel) <= 2e-5 and same, rel

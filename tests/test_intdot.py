@@ -131,7 +131,7 @@ def test_expert_tiles_equal_per_pair():
 def test_kernels_declare_their_buffers():
   """tinygrad reads which buffers a kernel writes and reads from its STOREs and LOADs, and the native replay runs a
   kernel beside any other that touches none of them: a C statement has neither, so without its declared buffers the
-  GEMV ran beside the rounding of its x (NaN logits in decode, test_reference's ds3k Q4_0)."""
+  GEMV would run beside the rounding of its x (NaN logits in decode, as on test_reference's ds3k Q4_0)."""
   from tinygrad.engine.realize import compile_linear, get_call_outs_ins
   rng = np.random.default_rng(6)
   w = QTensor(Tensor(_blocks(rng, "Q8_0", 32, 128)).realize(), QT["Q8_0"], (32, 128))

@@ -1,5 +1,5 @@
-"""tg_ds4.backend.cpu.kernel_opts: what the CPU heuristic changes, checked on the kernels tinygrad builds for our matmuls (the
-speed of each choice is measured in the module's docstring and the README, not here)."""
+"""tg_ds4.backend.cpu.kernel_opts: what the CPU heuristic changes, checked on the kernels tinygrad builds for our matmuls (why
+each choice is made is the module's docstring; its speed is a benchmark's, never a test's)."""
 import functools
 
 import gguf
@@ -50,7 +50,7 @@ def packed(name: str, rows: int, cols: int) -> QTensor:
 def test_gemv_keeps_lanes_and_core_split_without_row_upcast(name):
   k = weight_kernel(schedulers(linear(Tensor.ones(1, 1, 1024).contiguous().realize(), packed(name, 4096, 1024))))
   theirs, ours = kernel_opts._hand_coded(k.copy()), kernel_opts.cpu_heuristic(k.copy())
-  assert any(o.op is OptOps.UPCAST for o in theirs.applied_opts)  # what the change is about
+  assert any(o.op is OptOps.UPCAST for o in theirs.applied_opts)  # tinygrad's row upcast: what ours leaves out
   assert not any(o.op is OptOps.UPCAST for o in ours.applied_opts), ours.applied_opts
   kept = [o for o in theirs.applied_opts if o.op is not OptOps.UPCAST]
   assert ours.applied_opts[:len(kept)] == kept and all(o.op is OptOps.UNROLL for o in ours.applied_opts[len(kept):])
@@ -289,7 +289,7 @@ def _odd_kernels() -> list[Tensor]:
 FIXTURES = __import__("pathlib").Path(__file__).parent / "fixtures"
 @functools.cache
 def _kernels(case: str) -> tuple[list[UOp], bool]:
-  """The kernel ASTs of a case, and whether one of them has no axes but a 1-byte buffer (the shape that crashed)."""
+  """The kernel ASTs of a case, and whether one of them has no axes but a 1-byte buffer (the sampling crash's shape, #20)."""
   sinks = [s for t in CASES[case]() for s in kernel_sinks(t)]
   return sinks, any(not k.full_shape and any(b.src[0].dtype.itemsize == 1 for b in k.bufs) for k in schedulers(sinks))
 
@@ -298,14 +298,14 @@ CASES = {"decode-step": _decode_step_kernels, "vocab-49152": lambda: _sampling_k
 # (the kinds differ only in the GEMM tile, so the decode step, which has no GEMM, is lowered for one)
 @pytest.mark.parametrize("case,kind", [(c, k) for c in sorted(CASES) for k in ("avx2", "avx512") if (c, k) != ("decode-step", "avx512")])
 def test_rules_handle_every_kernel_shape(case, kind, monkeypatch):
-  """The sampling crash (#20): `_transposing_unpack` indexed the first axis of a kernel that has none, as the split
-  reductions over a real vocabulary make (scalar kernels with a bool buffer). Every kernel of these graphs is lowered
+  """The sampling crash (#20): `_transposing_unpack` must not index the first axis of a kernel that has none, as the
+  split reductions over a real vocabulary make (scalar kernels with a bool buffer). Every kernel of these graphs is lowered
   and rendered with the rules themselves as tinygrad's heuristic (no fallback), on each CPU kind."""
   from tinygrad.codegen.opt import heuristic
   monkeypatch.setattr(kernel_opts, "CPU", {"avx2": kernel_opts.AVX2, "avx512": kernel_opts.AVX512}[kind])
   monkeypatch.setattr(heuristic, "hand_coded_optimizations", kernel_opts.rules)
   ren, (sinks, scalar_bytes) = Device[Device.DEFAULT].renderer, _kernels(case)
-  assert len(sinks) >= 4 and (scalar_bytes or not case.startswith("vocab"))  # the shape that crashed is there
+  assert len(sinks) >= 4 and (scalar_bytes or not case.startswith("vocab"))  # the shape of the sampling crash (#20) is there
   for sink in sinks: assert any(u.op is Ops.SOURCE for u in cg.do_to_program(sink, ren).src)
 
 def test_a_failing_rule_falls_back_to_tinygrads_choice(monkeypatch, caplog):
@@ -327,8 +327,8 @@ def _quantized(name: str, w: np.ndarray, device: str) -> tuple[QTensor, np.ndarr
 @pytest.mark.parametrize("name", ["Q4_0", "Q8_0"])
 def test_gpu_gemv_groups_each_row_over_threads_and_stays_exact(name):
   """A packed GEMV and a gathered-experts GEMV on a GPU renderer: threads split each row's reduce (GROUP) and
-  workgroups hold several rows (LOCAL), where tinygrad's heuristic walks whole rows per thread (the gathered experts on
-  an H200: 3 GB/s, 1000 GB/s with these); the result equals gguf-py's dequantization times x to float32 rounding."""
+  workgroups hold several rows (LOCAL), where tinygrad's heuristic walks whole rows per thread (far from the GPU's memory
+  bandwidth, above all for the gathered experts); the result equals gguf-py's dequantization times x to float32 rounding."""
   from tg_ds4.backend.gpu import kernel_opts as gpu
   rng, dev = np.random.default_rng(0), "PYTHON"
   w = rng.standard_normal((4, 64, 256)).astype(np.float32)
@@ -350,8 +350,8 @@ def test_gpu_gemv_groups_each_row_over_threads_and_stays_exact(name):
 @pytest.mark.parametrize("name", ["Q4_0", "Q8_0"])
 def test_gpu_batched_gemv_upcasts_its_rows_and_stays_exact(name):
   """A batched step's GEMV (4 rows of x, as runner.batch_step runs them) on a GPU renderer: the rows upcast, so each
-  thread unpacks a weight byte once for all of them, then the one-row GEMV's GROUP and LOCAL (left to tinygrad, an H200
-  ran the 4-row dense GEMVs at 19-190 GB/s); each row equals gguf-py's dequantization times that row."""
+  thread unpacks a weight byte once for all of them, then the one-row GEMV's GROUP and LOCAL (tinygrad's own choices
+  leave the 4-row dense GEMVs far from the GPU's memory bandwidth); each row equals gguf-py's dequantization times that row."""
   from tg_ds4.backend.gpu import kernel_opts as gpu
   rng, dev = np.random.default_rng(1), "PYTHON"
   w, x = rng.standard_normal((64, 256)).astype(np.float32), rng.standard_normal((4, 1, 256)).astype(np.float32)

@@ -89,11 +89,11 @@ def test_prefill_plan(tiny):
   r = Runner.load(tiny, max_ctx=32)
   C = r.model.PREFILL_CHUNKS
   for n in range(1, 400):
-    sizes, fed = r._plan(n, FEED_TOKENS)
+    sizes, fed = r.prefill_plan(n, FEED_TOKENS)
     assert 0 <= fed <= FEED_TOKENS and all(c in C for c in sizes) and sum(sizes) >= n - fed
     assert sum(sizes[:-1]) < n - fed if sizes else fed == n          # only the last chunk may be padded
     if sizes and fed: assert sum(sizes) == n - fed                    # padding and feeding never together
     rest = n - fed - sum(sizes[:-1])
     if sizes: assert sizes[-1] >= rest and all(c < rest for c in C if c < sizes[-1])  # the smallest chunk that holds the rest
-  assert r._plan(5, FEED_TOKENS) == ([], 5) and r._plan(20, FEED_TOKENS) == ([32], 0) and r._plan(36, FEED_TOKENS) == ([32], 4)
-  assert r._plan(5, 0) == ([32], 0)  # prefill_last: chunks only
+  assert r.prefill_plan(5, FEED_TOKENS) == ([], 5) and r.prefill_plan(20, FEED_TOKENS) == ([32], 0) and r.prefill_plan(36, FEED_TOKENS) == ([32], 4)
+  assert r.prefill_plan(5, 0) == ([32], 0)  # prefill_last: chunks only

@@ -41,8 +41,8 @@ def ours(name: str) -> list[dict]:
   """Per prompt: the engine path's logits over the prompt and llama.cpp's continuation (`engine_logits`: the prompt
   through the captured prefill chunks `generate` would use for it, then the per-token step), and the greedy
   continuation through `generate`. The longest short prompt also gets exact mode's prompt logits (one eager forward,
-  padded to SHORT: an eager forward is scheduled anew on every call, ~10 s for smollm2, and lowered anew for a new
-  length, ~40 s for 170 tokens, while the engine's steps are captured once per model; the other short prompts' rows are
+  padded to SHORT: an eager forward is scheduled anew on every call and lowered anew for every new length, while
+  the engine's steps are captured once per model; the other short prompts' rows are
   the engine path's, per-token steps from position 0); the long case (the last) gets a second turn resumed at
   start_pos > 0 after a shorter first one instead."""
   f, run = fixture(name), cases(name)

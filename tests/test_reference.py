@@ -96,16 +96,16 @@ def run_long(fam: str, q: str) -> dict:
   man, L = manifest(fam), manifest(fam)["long"]
   ids, ref_ids = L["token_ids"], L["ggufs"][q]["hf_greedy_ids"]
   e = Runner.load(ROOT / fam / man["ggufs"][q]["file"], max_ctx=LONG_CTX, numerics="exact")
-  assert e._plan(LONG_K, FEED_TOKENS) == ([128, 32], 0) and e._plan(len(ids), FEED_TOKENS) == ([128, 32], 0)
+  assert e.prefill_plan(LONG_K, FEED_TOKENS) == ([128, 32], 0) and e.prefill_plan(len(ids), FEED_TOKENS) == ([128, 32], 0)
   out = {"engine": e.engine_logits(ids + ref_ids[:-1], prefill_tokens=LONG_K), "greedy": list(e.generate(ids, L["n_gen"]))}
   list(e.generate(ids[:L["resume_after"]], 3))
   start = e.reusable(ids)
-  assert e._plan(len(ids) - start, FEED_TOKENS) == ([64], 0)  # the resumed tail: one padded 64-token chunk
+  assert e.prefill_plan(len(ids) - start, FEED_TOKENS) == ([64], 0)  # the resumed tail: one padded 64-token chunk
   out["resumed_greedy"], out["resumed_at"] = list(e.generate(ids, L["n_gen"], start_pos=start)), start
   return out
 
 # every family once, between them exact float (F32), 32-block quants (Q4_0) and a K-quant: each file captures its own
-# chunk and step kernels (~28 s), and what the long case adds (chunk plan, padding, resume) does not depend on the format
+# chunk and step kernels, and what the long case adds (chunk plan, padding, resume) does not depend on the format
 LONG_FILES = [("ds2lite", "F32"), ("ds3", "Q4_0"), ("ds3k", "Q4_K_M"), ("glm", "F32"), ("youtu", "Q4_0")]
 
 @pytest.mark.parametrize("fam,q", LONG_FILES)

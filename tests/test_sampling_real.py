@@ -1,7 +1,7 @@
 """Sampling (temperature > 0) on a real vocabulary, through `generate` and through `serve`: a tiny random llama that
 carries SmolLM2's tokenizer and chat template (49152 tokens), and the real SmolLM2 once. The sampler's reductions over
-a vocabulary this size make kernel shapes that the 512-token fixtures never do; a kernel-heuristic crash on them went
-unnoticed because every other sampling test uses a tiny vocabulary (fixed in ce5b360)."""
+a vocabulary this size make kernel shapes that the 512-token fixtures never do, so a kernel-heuristic crash on them (#20)
+shows only here: every other sampling test uses a tiny vocabulary."""
 import subprocess, sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,7 +12,7 @@ from tg_ds4.io.registry import resolve
 
 PROMPT, N = "The rivers of the world", 24
 SAMPLED = ("--temperature", "0.8", "--top-k", "40", "--top-p", "0.9", "--min-p", "0.05")
-# each run is its own process that compiles its own kernels (~5-15 s here): the five run two at a time
+# each run is its own process that compiles its own kernels: the five run two at a time
 RUNS = {"seed1": (*SAMPLED, "--seed", "1"), "seed1_again": (*SAMPLED, "--seed", "1"), "seed2": (*SAMPLED, "--seed", "2"),
         "top_k1": ("--temperature", "0.8", "--top-k", "1", "--seed", "3"), "greedy": ("--temperature", "0")}
 

@@ -49,7 +49,7 @@ def _count(run: str, jobs: background.Jobs) -> dict:
   assert res["backend"] == {"NULL": "NULL"}.get(dev, backend) and sorted(res["files"]) == sorted(files)
   return res["files"]
 
-# each run lowers a dozen files in one single-threaded process (40-80 s): a background job (see background.py)
+# each run lowers a dozen files in one single-threaded process: a background job (see background.py)
 def start_job(run: str) -> None: JOBS.start(run, lambda jobs: _count(run, jobs))
 
 def counts(run: str) -> dict:

@@ -42,7 +42,7 @@ TEMPLATE = (
 
 def write_chat_llama(dst: pathlib.Path, n_layer: int = 1, seed: int = 0, vocab: pathlib.Path = VOCAB, template: str | None = TEMPLATE) -> None:
   """A 1-block llama (dim 64, GQA 4/2) with random weights, the tokenizer of the GGUF `vocab` (default the deepseek
-  fixture's) and `template` (None: `vocab`'s own chat template): compiles in seconds, decodes hundreds of tokens/s, and
+  fixture's) and `template` (None: `vocab`'s own chat template): quick to compile and to decode, and
   its greedy output depends on the prompt (large embedding/output scales)."""
   r = GGUFReader(vocab)
   w = GGUFWriter(str(dst), "llama")

@@ -31,7 +31,7 @@ def _run(model, params=SamplingParams(), n=6, logprobs=None, max_ctx=64):
 @pytest.mark.parametrize("model,params,logprobs", [(DS3, SamplingParams(), None), (DS3, SamplingParams(0.9, 40, 0.95, 0.02, seed=3), 5),
                                                    (DS3K, SamplingParams(), None)], ids=["greedy", "sampled-logprobs", "widened-weights"])
 def test_a_second_model_loads_the_steps_and_gets_the_same_tokens(cache, model, params, logprobs):
-  """Also a model whose weights are re-encoded at load: a re-encoded weight realized lazily was copied inside the first
+  """Also a model whose weights are re-encoded at load: a re-encoded weight left lazy would be copied inside the first
   captured step (and replayed with it), and the step could not be saved."""
   cold, jits = _run(model, params, logprobs=logprobs)
   assert jits and not any(j.loaded for j in jits) and len(list(cache.glob("*.step"))) == len(jits)
@@ -123,7 +123,8 @@ def test_two_cold_processes_at_once(tmp_path):
   assert f"removed {n} step cache entries" in cleared.stdout and not list((tmp_path / "steps").iterdir())
 
 def test_a_step_is_saved_once_with_tinygrads_replay(cache, monkeypatch):
-  """With tinygrad's own replay (as on every device but the CPU) a capture was saved again on every call: per token."""
+  """With tinygrad's own replay (as on every device but the CPU) a capture is saved once, not again on every call
+  (per token)."""
   monkeypatch.setenv("TG_DS4_FAST_REPLAY", "0")
   e = Runner.load(str(DS3), max_ctx=64)
   for i, t in enumerate(PROMPT): e.decode(t, i)

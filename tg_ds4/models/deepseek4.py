@@ -309,8 +309,9 @@ class DS4Attention:
     self.attn_sinks = Params(weight=Param(H))
     self.attn_output_a = Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
     self.attn_output_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim)
-    if ratio: self.compressor = Compressor(cfg, "attn_compressor", ratio, D)
-    if ratio == 4: self.indexer, self.idx_compressor = Indexer(cfg), Compressor(cfg, "indexer_compressor", ratio, cfg.idx_head_dim)
+    self.compressor = Compressor(cfg, "attn_compressor", ratio, D) if ratio else None
+    # ratio-4 layers: a top-k indexer over compressed keys of its own
+    self.indexer, self.idx_compressor = (Indexer(cfg), Compressor(cfg, "indexer_compressor", ratio, cfg.idx_head_dim)) if ratio == 4 else (None, None)
 
   def init_cache(self, max_ctx: int, chunk: int, device: str, dtype: DType):
     # raw rows carry their position in the first two of POS_COLS extra columns written with the row, `p % POS_BASE`
@@ -320,9 +321,9 @@ class DS4Attention:
     S = self.cfg.window + chunk
     never = Tensor.full((1, S, 1), -1.0, device=device).cat(Tensor.zeros(1, S, POS_COLS - 1, device=device), dim=-1)
     self.raw = Tensor.zeros(1, S, self.cfg.head_dim, device=device).cat(never, dim=-1).cast(dtype).contiguous().realize()
-    if hasattr(self, "compressor"): self.compressor.init_cache(max_ctx, chunk, device, dtype)
+    if self.compressor is not None: self.compressor.init_cache(max_ctx, chunk, device, dtype)
     # the indexer's keys stay float32: its scores make a discrete choice (top-k), like the router's
-    if hasattr(self, "idx_compressor"): self.idx_compressor.init_cache(max_ctx, chunk, device, dtypes.float32)
+    if self.idx_compressor is not None: self.idx_compressor.init_cache(max_ctx, chunk, device, dtypes.float32)
 
   def select(self, x: Tensor, qr: Tensor, start_pos: int | UOp, tabs: Tables, ok: Tensor) -> Tensor:
     """Indexer: which compressed rows each query attends, `[T, n]` bool (`ok`: the rows it may see). Float32 at any
@@ -378,10 +379,11 @@ class DS4MoE(MoE):
   def __init__(self, cfg: DS4Config, i: int, has_bias: bool):
     super().__init__(cfg, has_bias=has_bias)
     self.limit, self.limit_shexp = cfg.swiglu_clamp[i], cfg.swiglu_clamp_shexp[i]
-    if i < cfg.n_hash_layer: self.ffn_gate_tid2eid = Params(weight=Param(cfg.n_vocab, cfg.n_expert_used))
+    # the first n_hash_layer layers route by token: `ffn_gate_tid2eid[token]` picks the experts
+    self.ffn_gate_tid2eid = Params(weight=Param(cfg.n_vocab, cfg.n_expert_used)) if i < cfg.n_hash_layer else None
 
   def route(self, x: Tensor, tokens: Tensor | UOp | None = None) -> tuple[Tensor, Tensor]:
-    if not hasattr(self, "ffn_gate_tid2eid"): return super().route(x)
+    if self.ffn_gate_tid2eid is None: return super().route(x)
     with settings.override(matmul=dtypes.float32): logits = self.ffn_gate_inp(x)  # float32 at any precision, as MoE.route
     cfg, probs = self.cfg, logits.softplus().sqrt()
     t = self.ffn_gate_tid2eid.weight
@@ -400,7 +402,7 @@ class DS4MoE(MoE):
 
   def __call__(self, x: Tensor, tokens: Tensor | UOp | None = None) -> Tensor:
     y = self.experts(x, *self.route(x, tokens))
-    if not hasattr(self, "shexp"): return y
+    if self.shexp is None: return y
     s = self.shexp
     return y + s.ffn_down_shexp(self._swiglu(s.ffn_gate_shexp(x), s.ffn_up_shexp(x), self.limit_shexp))
 

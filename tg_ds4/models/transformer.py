@@ -29,25 +29,27 @@ class Block:
     self.swa, lc = cfg.is_swa_layer(i), cfg.layer(i)
     Norm = LayerNorm if cfg.layer_norm else RMSNorm
     self.attn_norm, self.ffn_norm = Norm(cfg.dim, cfg.norm_eps), Norm(cfg.dim, cfg.norm_eps)
-    if cfg.sandwich_norm:  # gemma's sandwich norms: the sublayer outputs are normed before the residual add
-      self.post_attention_norm, self.post_ffw_norm = RMSNorm(cfg.dim, cfg.norm_eps), RMSNorm(cfg.dim, cfg.norm_eps)
+    # gemma's sandwich norms: the sublayer outputs are normed before the residual add
+    sandwich = (RMSNorm(cfg.dim, cfg.norm_eps), RMSNorm(cfg.dim, cfg.norm_eps)) if cfg.sandwich_norm else (None, None)
+    self.post_attention_norm, self.post_ffw_norm = sandwich
     mla = (DSA(cfg, cfg.idx_full[i]) if cfg.idx_top_k else MLA(cfg)) if cfg.mla else None
     self.attn = mla or GQA(lc, bias=cfg.attn_bias, qk_norm=cfg.qk_norm, window=cfg.swa_window * self.swa, index=i,
                                              kv_from=cfg.kv_source(i), v_from_k=bool(cfg.v_from_k) and cfg.v_from_k[i])
     if cfg.is_moe_layer(i): self.ffn = MoE(cfg, fused_gate_up=cfg.fused_gate_up_exps, has_bias=cfg.expert_bias)
     else: self.ffn = FFN(cfg.dim, lc.ff_dim, act=cfg.ffn_act, gated=cfg.ffn_gated, sub_norm_eps=cfg.norm_eps if cfg.sub_norm else None,
                          scaled=cfg.weight_scales)
-    if P := cfg.per_layer_dim:  # gemma4's per-layer embeddings, gated by the block's output and added after the FFN
-      self.inp_gate, self.proj, self.post_norm = Linear(cfg.dim, P), Linear(P, cfg.dim), RMSNorm(cfg.dim, cfg.norm_eps)
-    if cfg.layer_output_scale: self.layer_output_scale = Params(weight=Param(1))
+    # gemma4's per-layer embeddings, gated by the block's output and added after the FFN
+    P = cfg.per_layer_dim
+    self.inp_gate, self.proj, self.post_norm = (Linear(cfg.dim, P), Linear(P, cfg.dim), RMSNorm(cfg.dim, cfg.norm_eps)) if P else (None, None, None)
+    self.layer_output_scale = Params(weight=Param(1)) if cfg.layer_output_scale else None
 
   def fuse(self) -> None:
     """Dense GQA blocks: q|k as one GEMV, gate|up as one GEMV. A fused kernel of the gate and up GEMVs (tinygrad's
     choice) keeps vector accumulators for only one of its two reductions; one GEMV over the stacked rows keeps them for
     every row but needs the activation as a kernel of its own. Fusing q|k pays that kernel back, so both happen or
     neither does (the block's kernel budget holds)."""
-    if self.attn.__class__ is not GQA or self.ffn.__class__ is not FFN or hasattr(self.attn, "attn_qkv") or not self.ffn.gated: return
-    if not hasattr(self.attn, "attn_v"): return  # gemma4: a layer over another's KV, or with V from the K projection
+    if self.attn.__class__ is not GQA or self.ffn.__class__ is not FFN or self.attn.attn_qkv is not None or not self.ffn.gated: return
+    if self.attn.attn_v is None: return  # gemma4: a layer over another's KV, or with V from the K projection
     a, f = self.attn, self.ffn
     if fusable(a.attn_q, a.attn_k) and fusable(f.ffn_gate, f.ffn_up):
       a.attn_qk, f.ffn_gate_up = fuse_rows(a.attn_q, a.attn_k), fuse_rows(f.ffn_gate, f.ffn_up)
@@ -56,15 +58,15 @@ class Block:
                per_layer: Tensor | None = None) -> Tensor:
     """`kvs`: what this forward's earlier layers hand to later ones (gemma4's KV by layer, DSA's selection);
     `per_layer`: this layer's per-layer embedding input `[B, T, per_layer_dim]` (gemma4)."""
-    post = hasattr(self, "post_attention_norm")
+    post = self.post_attention_norm is not None
     a = self.attn(matmul_input(self.attn_norm(x)), start_pos, rope, kvs)
     h = x + (self.post_attention_norm(a) if post else a)
     f = self.ffn(matmul_input(self.ffn_norm(h)))
     out = h + (self.post_ffw_norm(f) if post else f)
-    if hasattr(self, "inp_gate"):
+    if self.inp_gate is not None:
       if per_layer is None: raise ValueError("a block with per-layer embeddings needs its per-layer input")
       out = out + self.post_norm(self.proj((self.inp_gate(out).gelu() * per_layer).contiguous()))
-    if hasattr(self, "layer_output_scale"): out = out * as_tensor(self.layer_output_scale.weight)
+    if self.layer_output_scale is not None: out = out * as_tensor(self.layer_output_scale.weight)
     # contiguous: one barrier per block keeps the residual stream materialised, so the scheduler partitions the graph
     # block by block instead of fusing across blocks (which explodes kernel count and recomputes norms)
     return out.contiguous()

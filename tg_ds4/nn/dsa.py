@@ -52,16 +52,16 @@ def compact(mask: Tensor, k: int, blk: int = COMPACT_BLOCK) -> tuple[Tensor, Ten
 class DSA(MLA):
   def __init__(self, cfg: ModelConfig, full: bool):
     super().__init__(cfg)
-    if full: self.indexer = DSAIndexer(cfg)
+    self.indexer = DSAIndexer(cfg) if full else None  # glm-dsa's shared layers take the previous full layer's selection
     self.idx_cache: Tensor | None = None
 
   def init_cache(self, max_ctx: int, device: str | None = None, dtype=dtypes.float32, slots: int = 1):
     super().init_cache(max_ctx, device, dtype, slots)
-    if hasattr(self, "indexer"): self.idx_cache = zeros((slots, max_ctx, self.cfg.idx_head_dim), dtypes.float32, device or Device.DEFAULT)
+    if self.indexer is not None: self.idx_cache = zeros((slots, max_ctx, self.cfg.idx_head_dim), dtypes.float32, device or Device.DEFAULT)
 
   def stored_keys(self, x: Tensor, rows: Rows, rope: Tensor) -> Tensor | None:
     """The indexer's keys of every row's new positions `LayerNorm(attn_k(x))`, rotated, stored in idx_cache at once."""
-    if not hasattr(self, "indexer"): return None
+    if self.indexer is None: return None
     ix, (B, T, _), D = self.indexer, x.shape, self.cfg.idx_head_dim
     with settings.override(matmul=dtypes.float32):
       k = self._rope_head(ix.k_norm(ix.attn_k(x)).reshape(B, T, 1, D), rope, rows).reshape(B, T, D)

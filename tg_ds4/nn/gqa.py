@@ -21,18 +21,18 @@ class GQA:
     instead of its own (gemma4's shared-KV layers: no k/v projections, no cache); `v_from_k`: V is the raw K projection."""
     self.cfg, self.window, self.index, self.kv_from, self.v_from_k = cfg, window, index, kv_from, v_from_k
     H, KV, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-    if qk_norm:
-      self.attn_q_norm = RMSNorm(D, cfg.norm_eps)
-      if kv_from is None: self.attn_k_norm = RMSNorm(D, cfg.norm_eps)
-    s = cfg.weight_scales
-    if cfg.fused_qkv: self.attn_qkv = Linear(cfg.dim, (H + KV) * D + KV * cfg.v_head_dim, bias)  # gpt2: q|k|v rows in one tensor
-    else:
-      self.attn_q = Linear(cfg.dim, H * D, bias, s)
-      if kv_from is None: self.attn_k = Linear(cfg.dim, KV * D, bias, s)
-      if kv_from is None and not v_from_k: self.attn_v = Linear(cfg.dim, KV * cfg.v_head_dim, bias, s)
-    if cfg.sub_norm: self.attn_sub_norm = RMSNorm(H * cfg.v_head_dim, cfg.norm_eps)  # bitnet
+    own_kv, s = kv_from is None, cfg.weight_scales
+    self.attn_q_norm = RMSNorm(D, cfg.norm_eps) if qk_norm else None
+    self.attn_k_norm = RMSNorm(D, cfg.norm_eps) if qk_norm and own_kv else None
+    # gpt2: q|k|v rows in one tensor; the others one projection each (none for k/v in a layer over another's KV)
+    self.attn_qkv = Linear(cfg.dim, (H + KV) * D + KV * cfg.v_head_dim, bias) if cfg.fused_qkv else None
+    self.attn_q = None if cfg.fused_qkv else Linear(cfg.dim, H * D, bias, s)
+    self.attn_k = Linear(cfg.dim, KV * D, bias, s) if not cfg.fused_qkv and own_kv else None
+    self.attn_v = Linear(cfg.dim, KV * cfg.v_head_dim, bias, s) if not cfg.fused_qkv and own_kv and not v_from_k else None
+    self.attn_sub_norm = RMSNorm(H * cfg.v_head_dim, cfg.norm_eps) if cfg.sub_norm else None  # bitnet
     self.attn_output = Linear(H * cfg.v_head_dim, cfg.dim, cfg.out_bias, s)
     self.cache: Tensor | None = None
+    self.attn_qk: Linear | None = None  # q|k stacked at load (models/transformer.py's Block.fuse)
 
   def init_cache(self, max_ctx: int, device: str | None = None, dtype=dtypes.float32, slots: int = 1):
     c = self.cfg
@@ -47,15 +47,15 @@ class GQA:
     if self.kv_from is not None:  # gemma4's shared-KV layers: q only, over the cache the source layer wrote in this forward
       if kvs is None or self.kv_from not in kvs: raise ValueError(f"layer {self.index} attends over layer {self.kv_from}'s KV: run that layer first")
       q = self.attn_q(x).reshape(B, T, H, D)
-      q = rot(self.attn_q_norm(q) if hasattr(self, "attn_q_norm") else q)
+      q = rot(self.attn_q_norm(q) if self.attn_q_norm is not None else q)
       return self._attend_rows(q, kvs[self.kv_from], rows)
-    if hasattr(self, "attn_qkv"): q, k, v = self.attn_qkv(x).split([H * D, KV * D, KV * cfg.v_head_dim], dim=-1)
-    elif hasattr(self, "attn_qk"): (q, k), v = self.attn_qk(x).split([H * D, KV * D], dim=-1), self.attn_v(x)  # fused at load (Block.fuse)
+    if self.attn_qkv is not None: q, k, v = self.attn_qkv(x).split([H * D, KV * D, KV * cfg.v_head_dim], dim=-1)
+    elif self.attn_qk is not None: (q, k), v = self.attn_qk(x).split([H * D, KV * D], dim=-1), self.attn_v(x)  # fused at load (Block.fuse)
     else:
       q, k = self.attn_q(x), self.attn_k(x)
       v = k if self.v_from_k else self.attn_v(x)
     q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, KV, D), v.reshape(B, T, KV, cfg.v_head_dim)
-    if hasattr(self, "attn_q_norm"): q, k = self.attn_q_norm(q), self.attn_k_norm(k)
+    if self.attn_q_norm is not None: q, k = self.attn_q_norm(q), self.attn_k_norm(k)
     if cfg.v_norm: v = v.float() * (v.float().square().mean(-1, keepdim=True) + cfg.norm_eps).rsqrt()  # gemma4: no weight
     q, k = rot(q), rot(k)
     # a chunk's v GEMM as its own kernel: fused into the cache write (beside k's RoPE) it gets no GEMM opts (kernel_opts
@@ -70,7 +70,7 @@ class GQA:
     # several rows: each row's output a kernel of its own; fused into their concatenation, every output element ran
     # all the rows' reductions, not just its own row's
     o = o[0] if len(o) == 1 else Tensor.cat(*(r.contiguous() for r in o))
-    return self.attn_output(self.attn_sub_norm(o) if hasattr(self, "attn_sub_norm") else o)
+    return self.attn_output(self.attn_sub_norm(o) if self.attn_sub_norm is not None else o)
 
   def _attend(self, q: Tensor, cache: Tensor, slot: int | UOp, start_pos: int | UOp) -> Tensor:
     """q `[B,T,H,D]` (normed, rotated) over rows [0, start_pos + T) of one slot of `cache` `[slots,max_ctx,KV,D+Dv]` -> `[B,T,H*Dv]`."""

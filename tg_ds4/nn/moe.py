@@ -81,18 +81,19 @@ class FFN:
     self.suffix, self.act, self.gated = suffix, act, gated
     if not gated:  # gpt2: down(gelu(up(x))), both with biases
       self.ffn_up, self.ffn_down = Linear(dim, hidden, bias=True), Linear(hidden, dim, bias=True)
-      return
-    for n, (i, o) in {"gate": (dim, hidden), "up": (dim, hidden), "down": (hidden, dim)}.items():
-      setattr(self, f"ffn_{n}{suffix}", Linear(i, o, scale=scaled))
-    if sub_norm_eps is not None: self.ffn_sub_norm = RMSNorm(hidden, sub_norm_eps)
+    else:
+      for n, (i, o) in {"gate": (dim, hidden), "up": (dim, hidden), "down": (hidden, dim)}.items():
+        setattr(self, f"ffn_{n}{suffix}", Linear(i, o, scale=scaled))
+    self.ffn_sub_norm = RMSNorm(hidden, sub_norm_eps) if sub_norm_eps is not None else None  # bitnet
+    self.ffn_gate_up: Linear | None = None  # gate|up stacked at load (models/transformer.py's Block.fuse)
   def __call__(self, x: Tensor) -> Tensor:
     s = self.suffix
     if not self.gated: return self.ffn_down(self.ffn_up(x).gelu().contiguous())  # materialised: see _swiglu
-    if hasattr(self, "ffn_gate_up"):  # fused at load (model.Block.fuse): one GEMV, then the activation as its own kernel,
+    if self.ffn_gate_up is not None:  # fused at load (Block.fuse): one GEMV, then the activation as its own kernel,
       g, u = self.ffn_gate_up(x).split(2 * [self.ffn_up.weight.shape[0]], dim=-1)  # else ffn_down recomputes it per row
       h = ((g.gelu() if self.act == "gelu" else g.silu()) * u).contiguous()
     else: h = _swiglu(getattr(self, f"ffn_gate{s}")(x), getattr(self, f"ffn_up{s}")(x), self.act)
-    return getattr(self, f"ffn_down{s}")(self.ffn_sub_norm(h) if hasattr(self, "ffn_sub_norm") else h)
+    return getattr(self, f"ffn_down{s}")(self.ffn_sub_norm(h) if self.ffn_sub_norm is not None else h)
 
 class MoE:
   gguf_flat = True
@@ -100,11 +101,11 @@ class MoE:
     E, D, F = cfg.n_expert, cfg.dim, cfg.expert_ff_dim
     self.cfg = cfg
     self.ffn_gate_inp = Linear(D, E)
-    if has_bias: self.exp_probs_b = Params(bias=Param(E))
-    if fused_gate_up: self.ffn_gate_up_exps = Params(weight=Param(E, 2 * F, D))
-    else: self.ffn_gate_exps, self.ffn_up_exps = Params(weight=Param(E, F, D)), Params(weight=Param(E, F, D))
+    self.exp_probs_b = Params(bias=Param(E)) if has_bias else None  # V3-style selection bias
+    self.ffn_gate_up_exps = Params(weight=Param(E, 2 * F, D)) if fused_gate_up else None
+    self.ffn_gate_exps, self.ffn_up_exps = (None, None) if fused_gate_up else (Params(weight=Param(E, F, D)), Params(weight=Param(E, F, D)))
     self.ffn_down_exps = Params(weight=Param(E, D, F))
-    if cfg.n_expert_shared: self.shexp = FFN(D, F * cfg.n_expert_shared, "_shexp")
+    self.shexp = FFN(D, F * cfg.n_expert_shared, "_shexp") if cfg.n_expert_shared else None
 
   def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
     """x `[B,T,D]` -> (expert ids `[B,T,k]` int32, weights `[B,T,k]`)."""
@@ -112,7 +113,7 @@ class MoE:
     cfg = self.cfg
     probs = {Gating.SOFTMAX: lambda: logits.softmax(-1), Gating.SIGMOID: lambda: logits.sigmoid(), Gating.SOFTMAX_WEIGHT: lambda: logits,
              Gating.SQRT_SOFTPLUS: lambda: logits.softplus().sqrt()}[cfg.gating]()
-    sel = probs + as_tensor(self.exp_probs_b.bias) if hasattr(self, "exp_probs_b") else probs
+    sel = probs + as_tensor(self.exp_probs_b.bias) if self.exp_probs_b is not None else probs
     if cfg.n_expert_group > 1:
       G = cfg.n_expert_group
       grouped = sel.reshape(*sel.shape[:-1], G, cfg.n_expert // G)
@@ -129,12 +130,12 @@ class MoE:
   def _act(self, g: Tensor, u: Tensor) -> Tensor: return _swiglu(g, u)
 
   def _exps_weights(self) -> list:
-    names = ("ffn_gate_up_exps", "ffn_down_exps") if hasattr(self, "ffn_gate_up_exps") else ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+    names = ("ffn_gate_up_exps", "ffn_down_exps") if self.ffn_gate_up_exps is not None else ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
     return [getattr(self, n).weight for n in names]
 
   def _ffn_exps(self, h: Tensor, idx: Tensor, affine: bool = True) -> Tensor:
     """The routed experts' SwiGLU on rows `h` `[*lead, rows, D]` with the experts `idx` (shape `lead`) -> `[*lead, rows, D]`."""
-    if hasattr(self, "ffn_gate_up_exps"):
+    if self.ffn_gate_up_exps is not None:
       gu = linear(h, self.ffn_gate_up_exps.weight[idx], affine=affine)
       F = gu.shape[-1] // 2
       act = (gu[..., :F].silu() * gu[..., F:]).contiguous()
@@ -174,4 +175,4 @@ class MoE:
 
   def __call__(self, x: Tensor) -> Tensor:
     y = self.experts(x, *self.route(x))
-    return y + self.shexp(x) if hasattr(self, "shexp") else y
+    return y + self.shexp(x) if self.shexp is not None else y

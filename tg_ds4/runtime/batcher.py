@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tg_ds4.backend.buffers import host_array
-from tg_ds4.runtime.runner import FEED_TOKENS, GREEDY, MAX_TOP_LOGPROBS, Runner, Step, TOP_LOGPROBS_BUCKETS, _row_to_step, reusable_prefix
+from tg_ds4.runtime.runner import FEED_TOKENS, GREEDY, MAX_TOP_LOGPROBS, Runner, Step, TOP_LOGPROBS_BUCKETS, reusable_prefix
 from tg_ds4.runtime.sampling import SamplingParams, rng
 
 
@@ -141,7 +141,7 @@ class Batcher:
       if self.restore is not None:
         self.slot_tokens[slot] = self.slot_tokens[slot][:start]  # what the restore may overwrite is no longer known
         start = self.restore(req.prompt, slot, start)
-      sizes, fed = self.runner._plan(n - start, FEED_TOKENS)
+      sizes, fed = self.runner.prefill_plan(n - start, FEED_TOKENS)
       self.slot_tokens[slot] = list(req.prompt[:start])
       seed = req.params.seed if req.params.seed is not None else int.from_bytes(os.urandom(4), "little")
       s = _Seq(rid, req, slot, seed & 0xFFFFFFFF, list(sizes), start, n - fed, timing=Timing(t))
@@ -159,7 +159,7 @@ class Batcher:
     """One prefill chunk of `s`; after its last chunk, with no tail to feed, its first token from the chunk's logits."""
     C, r, n = s.chunks.pop(0), self.runner, len(s.req.prompt)
     part = list(s.req.prompt[s.at:min(s.at + C, s.fed_from)])
-    out = r._prefill_chunks(part, s.at, [C], s.slot)
+    out = r.prefill_chunks(part, s.at, [C], s.slot)
     self.slot_tokens[s.slot] = list(s.req.prompt[:s.at + len(part)])
     s.at += len(part)
     if s.chunks: return []
@@ -168,7 +168,7 @@ class Batcher:
       return []
     p, k = s.req.params, self._k([s.req])
     sampling = () if p.greedy else (*p.tensors(), rng(s.seed, 0))
-    tok = r._head(p.greedy, k)(out, *sampling)
+    tok = r.head_step(p.greedy, k)(out, *sampling)
     return self._emitted(s, host_array(tok)[0], k)
 
   def _decode(self, rows: list[_Seq]) -> list[Event]:
@@ -194,7 +194,7 @@ class Batcher:
 
   def _emitted(self, s: _Seq, row: np.ndarray, k: int | None) -> list[Event]:
     """`s` produced a token (`row`: its id, or its _with_logprobs row): the event, and the request's end if it was."""
-    st = Step(int(row[0])) if s.req.logprobs is None else _row_to_step(row, k, s.req.logprobs)
+    st = Step(int(row[0])) if s.req.logprobs is None else Step.from_row(row, k, s.req.logprobs)
     t, n = s.timing, len(s.req.prompt)
     t.last, t.generated = time.perf_counter(), t.generated + 1
     if t.first is None: t.first = t.last

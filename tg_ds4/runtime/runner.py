@@ -63,6 +63,11 @@ class Step:
   logprob: float | None = None
   top: tuple[tuple[int, float], ...] = ()
 
+  @staticmethod
+  def from_row(row: np.ndarray, k: int, want: int) -> Step:
+    """A step from a `[2 + 2k]` row of _with_logprobs, keeping the `want` best of its k alternatives."""
+    return Step(int(row[0]), float(row[1]), tuple((int(row[2 + j]), float(row[2 + k + j])) for j in range(want)))
+
 def _with_logprobs(logits: Tensor, tok: Tensor, k: int) -> Tensor:
   """`[1, V]` logits and the chosen `[1, 1]` id -> one `[1, 2 + 2k]` float row (id, logprob, k top ids, k top logprobs):
   a single small copy to the host per token. Top-k by k masked argmaxes (k <= 20), not a vocabulary sort."""
@@ -86,9 +91,6 @@ def _prefix_view(t: Tensor, axis: int, n: int, slot: int = 0) -> Buffer | None:
   if any(d != 1 for d in t.shape[:axis]): return None
   (view := _buffer(t).view(n * prod(t.shape[axis + 1:]), t.dtype, slot * prod(t.shape) * t.dtype.itemsize)).ensure_allocated()
   return view
-
-def _row_to_step(row: np.ndarray, k: int, want: int) -> Step:
-  return Step(int(row[0]), float(row[1]), tuple((int(row[2 + j]), float(row[2 + k + j])) for j in range(want)))
 
 def reusable_prefix(prompt, cached: list[int]) -> int:
   """Leading tokens of `prompt` that `cached` holds, at most len(prompt) - 1: the last prompt token always runs again,
@@ -169,7 +171,7 @@ class Runner:
       return out, logits
     return self._step(name, step)
 
-  def _head(self, is_greedy: bool, k: int | None) -> Jit:
+  def head_step(self, is_greedy: bool, k: int | None) -> Jit:
     """The first token from a prefill chunk's `[1, 1, vocab]` logits, as a captured step like the others (so a warm
     start lowers nothing): greedy or sampled, with k logprobs or none."""
     def head(out, *sargs):
@@ -225,7 +227,7 @@ class Runner:
     if start_pos + n > self.model.max_ctx: raise ValueError(f"{start_pos + n} tokens exceed the context of {self.model.max_ctx}")
     self.model.check_resume(start_pos)
 
-  def _plan(self, n: int, feed: int) -> tuple[list[int], int]:
+  def prefill_plan(self, n: int, feed: int) -> tuple[list[int], int]:
     """Prefill chunk sizes for n tokens and how many tokens are left to feed per token (at most `feed`): chunks of the
     largest size, and for the rest the smallest chunk that holds it (padded), unless a whole smaller chunk leaves a
     tail short enough to feed."""
@@ -238,9 +240,9 @@ class Runner:
 
   def chunked(self, n: int) -> int:
     """How many tokens of an n-token prompt `generate` prefills through chunks (the rest go through the per-token step)."""
-    return n - self._plan(n, FEED_TOKENS)[1]
+    return n - self.prefill_plan(n, FEED_TOKENS)[1]
 
-  def _prefill_chunks(self, tokens: list[int], start_pos: int, sizes: list[int], slot: int = 0) -> Tensor:
+  def prefill_chunks(self, tokens: list[int], start_pos: int, sizes: list[int], slot: int = 0) -> Tensor:
     """tokens through the captured prefill steps of `sizes`; the logits `[1, 1, vocab]` of the last token. The last
     chunk may be padded: the padding writes cache rows past the prompt, which later steps overwrite before any query
     can see them (a query at position p reads rows <= p only)."""
@@ -284,7 +286,7 @@ class Runner:
   def prefill_last(self, tokens: list[int], start_pos: int = 0) -> Tensor:
     """Fill the caches with `tokens` through the captured prefill steps; logits `[1, 1, vocab]` of the last token."""
     self._check(len(tokens), start_pos)
-    out = self._prefill_chunks(tokens, start_pos, self._plan(len(tokens), 0)[0])
+    out = self.prefill_chunks(tokens, start_pos, self.prefill_plan(len(tokens), 0)[0])
     self.cached = self.cached[:start_pos] + list(tokens)
     return out
 
@@ -308,7 +310,7 @@ class Runner:
     if not 0 <= K <= n: raise ValueError(f"prefill tokens {K} must be in [0, {n}]")
     self._check(n, 0)
     rows = []
-    if K: rows.append(self._prefill_chunks(tokens[:K], 0, self._plan(K, 0)[0]).numpy()[0, -1])
+    if K: rows.append(self.prefill_chunks(tokens[:K], 0, self.prefill_plan(K, 0)[0]).numpy()[0, -1])
     self.cached = list(tokens[:K])
     rows += [self._per_token(tokens[p], p, True, (), None)[1].numpy()[0] for p in range(K, n)]
     return np.stack(rows).astype(np.float32)
@@ -346,14 +348,14 @@ class Runner:
     self.stats = st = Stats(prompt_tokens=n - start_pos)
     self.cached = list(prompt[:start_pos])  # rows past start_pos are about to be overwritten
     t0 = time.perf_counter()
-    sizes, fed = self._plan(n - start_pos, FEED_TOKENS)
-    if sizes: out = self._prefill_chunks(prompt[start_pos:n - fed], start_pos, sizes)
+    sizes, fed = self.prefill_plan(n - start_pos, FEED_TOKENS)
+    if sizes: out = self.prefill_chunks(prompt[start_pos:n - fed], start_pos, sizes)
     if fed:  # the tail token by token; the last one's step gives the first new token
       for p in range(n - fed, n): tok = self.next_token(prompt[p], p, params, sampling(0), k)
-    else: tok = self._head(params.greedy, k)(out, *sampling(0))
+    else: tok = self.head_step(params.greedy, k)(out, *sampling(0))
     self.cached = list(prompt)
     for i in range(max_new):
-      s = Step(int(host_array(tok).item())) if logprobs is None else _row_to_step(host_array(tok)[0], k, logprobs)
+      s = Step(int(host_array(tok).item())) if logprobs is None else Step.from_row(host_array(tok)[0], k, logprobs)
       # the clocks read once the token is on the host: a GPU runs the launched steps asynchronously
       if i == 0: st.prefill_s = st.first_token_s = (t1 := time.perf_counter()) - t0
       st.generated, st.decode_s = st.generated + 1, time.perf_counter() - t1  # kept current: the caller may stop early
