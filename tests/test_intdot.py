@@ -56,8 +56,9 @@ def _check(y: np.ndarray, ref: np.ndarray):
   assert np.abs(y - ref).max() <= 1e-6 * np.abs(ref).max()
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 3])
-def test_dense(fmt, rows):
+@pytest.mark.parametrize("rows", [1, 3, 32])  # 32: a prefill chunk, in tiles of MAX_ROWS rows
+def test_dense(fmt, rows, monkeypatch):
+  monkeypatch.setattr(intdot, "GEMM_MIN_FLOAT_BYTES", 0)  # the tiles for a small weight too
   rng = np.random.default_rng(1)
   raw, x = _blocks(rng, fmt, 96, 256), rng.standard_normal((rows, 1, 256)).astype(np.float32)
   w = QTensor(Tensor(raw).realize(), QT[fmt], (96, 256))
@@ -74,15 +75,20 @@ def test_gathered(fmt, x_lead):
   with settings.override(numerics="llama.cpp"): y = linear(Tensor(x), w[Tensor(ids)]).numpy()
   _check(y, _reference(x, raw[ids], fmt))
 
-def test_rows_equal_alone():
-  """A batched step's rows against the one-row GEMV: each row keeps its own accumulators, so bitwise the same."""
+@pytest.mark.parametrize("rows", [4, 24])
+def test_rows_equal_alone(rows, monkeypatch):
+  """A batched step's rows (4) and a prefill chunk's (24: three tiles) against the one-row GEMV: each row keeps its own
+  accumulators, so bitwise the same: a prompt's prefill computes each matmul row as its decode step would."""
+  monkeypatch.setattr(intdot, "GEMM_MIN_FLOAT_BYTES", 0)
   rng = np.random.default_rng(3)
-  raw, x = _blocks(rng, "Q4_0", 64, 512), rng.standard_normal((4, 1, 512)).astype(np.float32)
+  raw, x = _blocks(rng, "Q4_0", 64, 512), rng.standard_normal((rows, 1, 512)).astype(np.float32)
   w = QTensor(Tensor(raw).realize(), QT["Q4_0"], (64, 512))
   with settings.override(numerics="llama.cpp"):
-    together = linear(Tensor(x), w).numpy()
-    alone = [linear(Tensor(x[i]), w).numpy() for i in range(4)]
-  assert all(np.array_equal(together[i], alone[i]) for i in range(4))
+    together = linear(Tensor(x), w)
+    assert any("intdot" in u.arg.name for u in together.uop.toposort() if u.op is Ops.SINK and hasattr(u.arg, "name"))
+    together = together.numpy()
+    alone = [linear(Tensor(x[i]), w).numpy() for i in range(rows)]
+  assert all(np.array_equal(together[i], alone[i]) for i in range(rows))
 
 def test_only_where_inputs_are_rounded(monkeypatch):
   """The integer kernel runs where actquant rounds the input ("llama.cpp" and "auto" numerics), never in exact float
@@ -140,3 +146,15 @@ def test_kernels_declare_their_buffers():
   seen = {call.src[0].arg.name: get_call_outs_ins(call) for call in compile_linear(lin).src if call.src[0].op is Ops.PROGRAM}
   assert seen["q8_0_quantize_4"] == ((0, 1), (2,))           # writes the int8 values and scales, reads x
   assert seen["q8_0_intdot_1_1_32_128"] == ((0,), (1, 2, 3))  # writes y, reads the weight, the values and scales
+
+def test_a_chunk_takes_the_tiles_only_for_a_big_weight():
+  """A prefill chunk's rows take the integer tiles for a weight whose float copy is at least GEMM_MIN_FLOAT_BYTES, the
+  float GEMM for a smaller one (its float copy stays in cache), and one row the GEMV whatever the size."""
+  rng = np.random.default_rng(5)
+  k, n = 1024, intdot.GEMM_MIN_FLOAT_BYTES // 4 // 1024
+  big = QTensor(Tensor(_blocks(rng, "Q4_0", n, k)).realize(), QT["Q4_0"], (n, k))
+  small = QTensor(Tensor(_blocks(rng, "Q4_0", 64, k)).realize(), QT["Q4_0"], (64, k))
+  x = Tensor(rng.standard_normal((1, 32, k)).astype(np.float32))
+  tiled = lambda t: any("intdot" in u.arg.name for u in t.uop.toposort() if u.op is Ops.SINK and hasattr(u.arg, "name"))
+  with settings.override(numerics="llama.cpp"):
+    assert tiled(linear(x, big)) and not tiled(linear(x, small)) and tiled(linear(x[:, :1], small))

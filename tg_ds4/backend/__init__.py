@@ -47,13 +47,15 @@ class Capabilities:
                             # (nn/mla.py)
   int_dot_formats: frozenset[str]  # weight formats whose GEMVs take llama.cpp's integer block dot products
                             # (quant/intdot.py), which "auto" numerics round for (quant/activations.py)
+  int_gemm: bool            # a prefill chunk's matmuls over those formats take them too, in tiles of rows, instead of a
+                            # float GEMM over the weight dequantized once per chunk
   widen_weights: bool       # dense weights in formats the CPU's code handles slowly re-encoded at load (models/widen.py)
 
 INT_DOT_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0"})  # the weight formats quant/intdot.py has kernels for
 
 def capabilities(device: str | None = None) -> Capabilities:
   """`device`'s capabilities under the current TG_DS4_* knobs: `TG_DS4_AFFINE_GEMV=0`, `TG_DS4_EXPERT_TILES=0`,
-  `TG_DS4_INT_DOT=0` and `TG_DS4_WIDEN=0` turn their field off; `TG_DS4_KERNEL_OPTS=0` (or another tinygrad release) the
+  `TG_DS4_INT_DOT=0`, `TG_DS4_INT_GEMM=0` and `TG_DS4_WIDEN=0` turn their field off; `TG_DS4_KERNEL_OPTS=0` (or another tinygrad release) the
   forms made for our kernel heuristic."""
   device = Device.canonicalize(device or Device.DEFAULT)
   ren, on = Device[device].renderer, lambda knob: os.environ.get(knob, "1") != "0"
@@ -63,7 +65,8 @@ def capabilities(device: str | None = None) -> Capabilities:
     device=device, half=ren.has_local, gemm_panel=_cpu_panel() if on_cpu(device) and opts else None,
     in_range_gathers=getattr(ren, "has_threads", False), affine_gemv=cpu_forms and opts and on("TG_DS4_AFFINE_GEMV"),
     expert_tiles=cpu_forms and on("TG_DS4_EXPERT_TILES"), rotated_q_stored=cpu_forms, norm_stored=cpu_forms, absorb_gemm=cpu_forms and opts,
-    int_dot_formats=INT_DOT_FORMATS if int_dot else frozenset(), widen_weights=on_cpu(device) and on("TG_DS4_WIDEN"))
+    int_dot_formats=INT_DOT_FORMATS if int_dot else frozenset(), int_gemm=int_dot and on("TG_DS4_INT_GEMM"),
+    widen_weights=on_cpu(device) and on("TG_DS4_WIDEN"))
 
 def _cpu_panel() -> int:
   from tg_ds4.backend.cpu.kernel_opts import CPU  # imported only where compat allows (it patches tinygrad's internals)

@@ -15,7 +15,7 @@ from tinygrad import Tensor, UOp, dtypes
 from tg_ds4.backend.buffers import host_copy, host_tensor
 from tg_ds4.backend.compat import prod
 from tg_ds4.io.gguf import GGUFError, GGUFFile
-from tg_ds4.quant import settings
+from tg_ds4.quant import intdot, settings
 from tg_ds4.quant.activations import round_activations
 from tg_ds4.quant.formats import LANES_MAX_ROWS, QTensor, Weight, as_tensor, linear, panel_gemm
 
@@ -49,6 +49,8 @@ def matmul(x: Tensor, w: Weight, bias: Weight | None = None) -> Tensor:
   # a batched decode step (nn/cache_rows.py: `[B, 1, in]`, a few rows) stays a GEMV on the packed bytes, as one token does
   step = x.ndim == 3 and x.shape[1] == 1 and prod(x.shape[:-1]) <= LANES_MAX_ROWS
   if isinstance(w, QTensor) and w.qtype.quantized and prod(x.shape[:-1]) > 1 and not step and prod(w.shape) * 4 <= Linear.HOIST_MAX_BYTES:
+    # under llama.cpp's rounding on a CPU with integer dots: its integer GEMM, each weight block unpacked per tile of rows
+    if (y := intdot.try_linear(x, w)) is not None: return y if bias is None else y + as_tensor(bias, dtypes.float32)
     x = round_activations(x, w.qtype.name)
     if w.ndim == 2 and (n := settings.current(w.device).caps.gemm_panel) and w.shape[0] % n == 0:
       return panel_gemm(x, w.dequant(settings.current(w.device).matmul), n, bias)

@@ -26,6 +26,12 @@ from tg_ds4.quant import activations, settings
 FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # block bytes: an fp16 scale (Q4_1: and an fp16 minimum), then nibbles or int8
 assert set(FORMATS) == set(backend.INT_DOT_FORMATS)
 MAX_ROWS = 8                        # rows of x per weight matrix kept in registers (8 accumulators of 8 floats)
+MAX_TILES = 16                      # a prefill chunk's rows against one weight (ungathered): up to this many tiles of
+                                    # MAX_ROWS rows, each weight row unpacked once per tile while it sits in L1
+# a prefill chunk takes the tiles only for a weight whose float32 copy would be at least this big: the float GEMM
+# writes that copy once per chunk and reads it back, which a weight too big to stay in the cores' caches pays for in
+# memory traffic; a small one (a 135M model's) stays in cache and its float GEMM outruns the integer tiles
+GEMM_MIN_FLOAT_BYTES = 8 << 20
 
 def takes(w) -> bool:
   """Whether a GEMV over `w` (packed, on its device) takes this path at all, whatever x: the format and the rounding."""
@@ -43,10 +49,15 @@ def takes_all(*ws) -> bool:
 
 def applies(x: Tensor, w) -> bool:
   """For a `w` this path `takes`: whether `linear(x, w)` fits it: ungathered or gathered once on the leading axis, at
-  most MAX_ROWS rows of x per weight matrix, static shapes."""
+  most MAX_ROWS rows of x per weight matrix (an ungathered one at least GEMM_MIN_FLOAT_BYTES as float32: a multiple of
+  MAX_ROWS, up to MAX_TILES tiles of them, where the CPU's capabilities allow: a prefill chunk), static shapes."""
   if len(w._src[1]) > 1 or not all(isinstance(s, int) for s in (*x.shape, *w.shape)) or x.shape[-1] != w.shape[-1]: return False
   if w._src[1] and not (isinstance(w._src[1][0], Tensor) and w._src[0].ndim == 4): return False
-  if not (lead := w.shape[:-2]): return prod(x.shape[:-1]) <= MAX_ROWS   # every leading axis of x is rows
+  if not (lead := w.shape[:-2]):                                           # every leading axis of x is rows
+    R = prod(x.shape[:-1])
+    if R <= MAX_ROWS: return True
+    return (settings.current(str(w.device)).caps.int_gemm and R % MAX_ROWS == 0 and R <= MAX_TILES * MAX_ROWS
+            and prod(w.shape) * 4 >= GEMM_MIN_FLOAT_BYTES)
   return x.ndim >= 2 and x.shape[-2] <= MAX_ROWS and x.ndim - 2 <= len(lead)
 
 # one output row (`@R@`: the flat index over matrix x output row) against R rows of x; the format's unpack
@@ -58,16 +69,20 @@ _UNPACK = {
           "      v32c wq_ = (v32c)__builtin_shufflevector(lo_, hi_, " + ",".join(map(str, range(32))) + ");",
   "Q8_0": "v32c wq_; __builtin_memcpy(&wq_, blk_ + 2, 32);"}
 
-def _source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered: bool, x_per_matrix: bool) -> str:
+def _source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered: bool, x_per_matrix: bool, tiles: int = 1) -> str:
+  """`tiles` > 1 (a prefill chunk, ungathered): the output row against `tiles` consecutive tiles of `rows` rows of x in
+  turn, each tile with its own accumulators, so a row's result is the same as in a tile alone."""
   bb, m = FORMATS[fmt], fmt == "Q4_1"  # Q4_1: + its minimum times x's block sum, a float sum of its own (ggml's summs)
   mat = ("((const int *)@IDX@)[@R@ / %d]" if gathered else "@R@ / %d") % out
-  xrow = "(@R@ / %d) * %d" % (out, rows) if x_per_matrix else "0"
+  xrow = "(@R@ / %d) * %d" % (out, rows * tiles) if x_per_matrix else "0"
+  total = rows * tiles
   return f"""({{ typedef signed char v32c __attribute__((vector_size(32))); typedef unsigned char v16u __attribute__((vector_size(16)));
   typedef short v16s __attribute__((vector_size(32))); typedef int v8i __attribute__((vector_size(32)));
   typedef float v8f __attribute__((vector_size(32)));
   const unsigned char *w_ = (const unsigned char *)@W@ + (long)({mat}) * {matrix_bytes}L + (long)(@R@ % {out}) * {nb * bb};
-  const int xr_ = {xrow};
   const v16s one_ = {{1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1}};
+  for (int t_ = 0; t_ < {tiles}; t_++) {{
+  const int xr_ = {xrow} + t_ * {rows};
   v8f acc_[{rows}];
   float sm_[{rows}];
   for (int r_ = 0; r_ < {rows}; r_++) {{ acc_[r_] = (v8f){{0,0,0,0,0,0,0,0}}; sm_[r_] = 0.0f; }}
@@ -86,8 +101,9 @@ def _source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered:
   }}
   for (int r_ = 0; r_ < {rows}; r_++) {{
     const v8f a_ = acc_[r_];
-    ((float *)@OUT@)[(long)(@R@ / {out}) * {out * rows} + (long)r_ * {out} + @R@ % {out}] =
+    ((float *)@OUT@)[(long)(@R@ / {out}) * {out * total} + (long)(t_ * {rows} + r_) * {out} + @R@ % {out}] =
       ((a_[0] + a_[4]) + (a_[2] + a_[6])) + ((a_[1] + a_[5]) + (a_[3] + a_[7])){" + sm_[r_]" if m else ""};
+  }}
   }}
 }});"""
 
@@ -171,7 +187,8 @@ def linear(x: Tensor, w) -> Tensor:
   if gathered: srcs["IDX"] = idx[0].cast(dtypes.int32).contiguous().flatten()
   names = [*srcs, "R"]
   matrix_bytes = out * nb * FORMATS[fmt]
-  body = _format_string(_source(fmt, nb, out, R, matrix_bytes, gathered, x_per_matrix), names)
+  rows, tiles = (R, 1) if R <= MAX_ROWS else (MAX_ROWS, R // MAX_ROWS)    # a chunk: tiles of MAX_ROWS rows
+  body = _format_string(_source(fmt, nb, out, rows, matrix_bytes, gathered, x_per_matrix, tiles), names)
   threads = _threads(str(w.device), L * out)
   def kernel(*params: UOp) -> UOp:
     # the rows split over the threads by hand (a THREAD range outermost): tinygrad's opts pass would rebuild the
@@ -179,7 +196,7 @@ def linear(x: Tensor, w) -> Tensor:
     t, i = UOp.range(threads, 0, AxisType.THREAD), UOp.range(L * out // threads, 1)
     r = t * (L * out // threads) + i
     # what tinygrad cannot count in a C statement: the weight rows read once, x's int8 blocks and scales, the outputs
-    est = Estimates(ops=2 * L * R * out * k, lds=L * out * (nb * FORMATS[fmt] + R * nb * 36) + 4 * L * R * out,
+    est = Estimates(ops=2 * L * R * out * k, lds=L * out * (tiles * nb * FORMATS[fmt] + R * nb * 36) + 4 * L * R * out,
                     mem=L * out * nb * FORMATS[fmt] + xq_rows * nb * 36 + 4 * L * R * out)
     info = KernelInfo(name=f"{fmt.lower()}_intdot_{L}_{R}_{out}_{k}", estimates=est)
     return _kernel(body, params, {0: r // out * (out * R) + r % out}, r, (i, t), info)
