@@ -116,14 +116,11 @@ def test_expert_tiles_equal_per_pair():
   weights and the weighted sum over experts are float kernels of other shapes in a chunk than for one token, so the
   outputs agree to float rounding (measured: 3e-6 of the largest at worst), not bitwise; a row read against another
   tile's expert moves them by whole units."""
-  import dataclasses
-  from tg_ds4.config import Gating, ModelConfig, RopeConfig, RopeType
+  from tg_ds4.config import Gating, MoEConfig
   from tg_ds4.nn.moe import MoE
-  cfg = ModelConfig(arch="deepseek2", n_layer=1, dim=64, n_vocab=8, n_head=1, n_kv_head=1, head_dim=8, v_head_dim=8, norm_eps=1e-6,
-                    ctx_len=8, rope=RopeConfig(8, 1e4, RopeType.NORM), kq_scale=1.0, n_expert=16, n_expert_used=4, expert_ff_dim=32)
-  cfg = dataclasses.replace(cfg, gating=Gating.SOFTMAX)
+  cfg = MoEConfig(n_expert=16, n_expert_used=4, expert_ff_dim=32, gating=Gating.SOFTMAX)
   rng = np.random.default_rng(5)
-  moe = MoE(cfg)
+  moe = MoE(64, cfg)
   moe.ffn_gate_inp.weight = Tensor(rng.standard_normal((16, 64)).astype(np.float32))
   for name, (o, i) in (("ffn_gate_exps", (32, 64)), ("ffn_up_exps", (32, 64)), ("ffn_down_exps", (64, 32))):
     getattr(moe, name).weight = QTensor(Tensor(_blocks(rng, "Q4_0", 16, o, i)).realize(), QT["Q4_0"], (16, o, i))

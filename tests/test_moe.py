@@ -1,44 +1,42 @@
 """MoE routing against a plain numpy rendering of llama.cpp's build_moe_ffn, for every gating function and option."""
-import dataclasses
 
 import numpy as np
 import pytest
 from tinygrad import Tensor
 
-from tg_ds4.config import Gating, ModelConfig, RopeConfig, RopeType
+from tg_ds4.config import Gating, MoEConfig
 from tg_ds4.nn.moe import MoE, TILE_ROWS, expert_tiles, group_by_expert, topk_ids
 
 
-def _cfg(**kw) -> ModelConfig:
-  base = dict(arch="deepseek2", n_layer=1, dim=16, n_vocab=8, n_head=1, n_kv_head=1, head_dim=8, v_head_dim=8, norm_eps=1e-6, ctx_len=8,
-              rope=RopeConfig(8, 1e4, RopeType.NORM), kq_scale=1.0, n_expert=16, n_expert_used=4, expert_ff_dim=8)
-  return ModelConfig(**{**base, **kw})
+DIM = 16
+
+def _cfg(**kw) -> MoEConfig: return MoEConfig(**{**dict(n_expert=16, n_expert_used=4, expert_ff_dim=8), **kw})
 
 def _ref_route(logits, bias, cfg):
   probs = {Gating.SOFTMAX: lambda z: np.exp(z - z.max(-1, keepdims=True)) / np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True),
            Gating.SIGMOID: lambda z: 1 / (1 + np.exp(-z)), Gating.SOFTMAX_WEIGHT: lambda z: z,
            Gating.SQRT_SOFTPLUS: lambda z: np.sqrt(np.log1p(np.exp(z)))}[cfg.gating](logits)
   sel = probs + bias if bias is not None else probs.copy()
-  if cfg.n_expert_group > 1:
-    g = sel.reshape(*sel.shape[:-1], cfg.n_expert_group, -1)
+  if cfg.n_group > 1:
+    g = sel.reshape(*sel.shape[:-1], cfg.n_group, -1)
     score = np.sort(g, -1)[..., -2:].sum(-1)
-    keep = np.argsort(-score, -1, kind="stable")[..., :cfg.n_expert_group_used]
+    keep = np.argsort(-score, -1, kind="stable")[..., :cfg.n_group_used]
     mask = np.zeros(score.shape, bool); np.put_along_axis(mask, keep, True, -1)
     sel = np.where(mask[..., None], g, -np.inf).reshape(sel.shape)
   ids = np.argsort(-sel, -1, kind="stable")[..., :cfg.n_expert_used]
   w = np.take_along_axis(probs, ids, -1)
   if cfg.gating == Gating.SOFTMAX_WEIGHT: w = np.exp(w - w.max(-1, keepdims=True)); w /= w.sum(-1, keepdims=True)
-  if cfg.expert_weights_norm: w = w / np.maximum(w.sum(-1, keepdims=True), 6.103515625e-5)
-  return ids, w * cfg.expert_weights_scale
+  if cfg.weights_norm: w = w / np.maximum(w.sum(-1, keepdims=True), 6.103515625e-5)
+  return ids, w * cfg.weights_scale
 
 @pytest.mark.parametrize("gating", list(Gating))
 @pytest.mark.parametrize("norm,scale,bias,groups", [(False, 1.0, False, 1), (True, 2.5, True, 1), (True, 1.8, True, 4), (False, 1.0, False, 4)])
 def test_route_matches_llama_cpp_semantics(gating, norm, scale, bias, groups):
-  cfg = _cfg(gating=gating, expert_weights_norm=norm, expert_weights_scale=scale, n_expert_group=groups, n_expert_group_used=2 if groups > 1 else 1)
+  cfg = _cfg(gating=gating, weights_norm=norm, weights_scale=scale, n_group=groups, n_group_used=2 if groups > 1 else 1)
   rng = np.random.default_rng(int(gating) * 10 + groups)
   x, wg = rng.standard_normal((1, 5, 16)).astype(np.float32), rng.standard_normal((16, 16)).astype(np.float32)
   b = (0.5 * rng.standard_normal(16)).astype(np.float32) if bias else None
-  moe = MoE(cfg, has_bias=bias)
+  moe = MoE(DIM, cfg, has_bias=bias)
   moe.ffn_gate_inp.weight = Tensor(wg)
   if bias: moe.exp_probs_b.bias = Tensor(b)
   ids, w = moe.route(Tensor(x))
@@ -53,12 +51,12 @@ def test_topk_ties_prefer_lower_index():
 
 @pytest.mark.parametrize("T", [3, 24])  # 24 tokens x 4 experts: the pairs grouped by expert into tiles (group_by_expert)
 def test_expert_ffn_matches_numpy(T):
-  cfg = dataclasses.replace(_cfg(gating=Gating.SIGMOID, expert_weights_norm=True, expert_weights_scale=1.5), n_expert_shared=1)
+  cfg = _cfg(gating=Gating.SIGMOID, weights_norm=True, weights_scale=1.5, n_expert_shared=1)
   rng = np.random.default_rng(7)
   E, D, F = 16, 16, 8
   ws = {k: rng.standard_normal(s).astype(np.float32) / np.sqrt(s[-1]) for k, s in
         dict(inp=(E, D), gate=(E, F, D), up=(E, F, D), down=(E, D, F), sg=(F, D), su=(F, D), sd=(D, F)).items()}
-  moe = MoE(cfg)
+  moe = MoE(DIM, cfg)
   moe.ffn_gate_inp.weight, moe.ffn_gate_exps.weight, moe.ffn_up_exps.weight = Tensor(ws["inp"]), Tensor(ws["gate"]), Tensor(ws["up"])
   moe.ffn_down_exps.weight = Tensor(ws["down"])
   sh = moe.shexp

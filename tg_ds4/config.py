@@ -40,19 +40,68 @@ class RopeConfig:
   @property
   def yarn(self) -> bool: return self.ext_factor != 0.0
 
+class Meta:
+  """One architecture's GGUF metadata (`{arch}.{name}` keys) as every family's config reads it: `get` with a default,
+  `need` or one clear error naming the file and the key."""
+  def __init__(self, gf: GGUFFile, arch: str): self.gf, self.arch = gf, arch
+  def get(self, name: str, default=None): return self.gf.get(f"{self.arch}.{name}", default)
+  def need(self, name: str):
+    if (v := self.get(name)) is None: raise GGUFError(f"{self.gf.path}: missing metadata key {self.arch}.{name}")
+    return v
+  def n_layer(self) -> int:
+    """Blocks the forward runs: the multi-token-prediction blocks (`nextn_predict_layers`) at the end are not run."""
+    return int(self.need("block_count")) - int(self.get("nextn_predict_layers", 0))
+  def n_vocab(self) -> int:
+    gf, tokens = self.gf, self.gf.get("tokenizer.ggml.tokens")
+    n = self.get("vocab_size") or (len(tokens) if tokens else None) or (gf.infos["token_embd.weight"].shape[0] if "token_embd.weight" in gf else None)
+    if not n: raise GGUFError(f"{gf.path}: cannot tell the vocabulary size (no {self.arch}.vocab_size, tokenizer.ggml.tokens or token_embd.weight)")
+    return int(n)
+
 @dataclass(frozen=True)
-class ModelConfig:
-  arch: str
+class MoEConfig:
+  """The routed-expert FFN (nn/moe.py) as llama.cpp's build_moe_ffn takes it, the same for every family with experts."""
+  n_expert: int
+  n_expert_used: int
+  expert_ff_dim: int
+  n_expert_shared: int = 0
+  gating: Gating = Gating.SOFTMAX
+  weights_norm: bool = False     # the selected experts' weights divided by their sum
+  weights_scale: float = 1.0
+  n_group: int = 1               # group-limited selection: the best n_group_used groups by their top-2 sum
+  n_group_used: int = 1
+
+  @staticmethod
+  def from_meta(m: Meta, gating: Gating) -> MoEConfig | None:
+    """The file's expert keys, or None for a model without experts."""
+    if not (n := int(m.get("expert_count", 0))): return None
+    return MoEConfig(n_expert=n, n_expert_used=int(m.need("expert_used_count")), expert_ff_dim=int(m.need("expert_feed_forward_length")),
+                     n_expert_shared=int(m.get("expert_shared_count", 0)), gating=gating, weights_norm=bool(m.get("expert_weights_norm", False)),
+                     weights_scale=float(m.get("expert_weights_scale", 0.0) or 1.0), n_group=int(m.get("expert_group_count", 1) or 1),
+                     n_group_used=int(m.get("expert_group_used_count", 1) or 1))
+
+@dataclass(frozen=True, kw_only=True)
+class BaseConfig:
+  """What every family's config holds under the same names, so the shared blocks (nn/) take either."""
   n_layer: int
   dim: int
   n_vocab: int
   n_head: int
-  n_kv_head: int
-  head_dim: int               # q/k head size (MLA: nope + rope)
-  v_head_dim: int
+  head_dim: int               # q/k head size (MLA: nope + rope; deepseek4: the shared K=V row)
   norm_eps: float
   ctx_len: int
   rope: RopeConfig
+  q_lora_rank: int = 0        # low-rank queries (attn_q_a -> norm -> attn_q_b) when > 0
+  moe: MoEConfig | None = None
+  # a lightning indexer (DSA, deepseek4's ratio-4 layers) picks the cached rows each query attends
+  idx_n_head: int = 0
+  idx_head_dim: int = 0
+  idx_top_k: int = 0          # 0: no indexer
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig(BaseConfig):
+  arch: str
+  n_kv_head: int
+  v_head_dim: int
   kq_scale: float
   # dense FFN
   ff_dim: int = 0
@@ -64,19 +113,8 @@ class ModelConfig:
   rope_base_swa: float = 0.0  # RoPE base of the sliding-window layers
   logit_softcap: float = 0.0
   # MLA (kv_lora_rank > 0)
-  q_lora_rank: int = 0
   kv_lora_rank: int = 0
-  # MoE (n_expert > 0)
-  n_expert: int = 0
-  n_expert_used: int = 0
-  n_expert_shared: int = 0
-  expert_ff_dim: int = 0
-  n_dense_lead: int = 0
-  gating: Gating = Gating.SOFTMAX
-  expert_weights_norm: bool = False
-  expert_weights_scale: float = 1.0
-  n_expert_group: int = 1
-  n_expert_group_used: int = 1
+  n_dense_lead: int = 0       # with experts: the first layers have a dense FFN
   # optional parts, told by which tensors the file has (so the modules never read the file)
   attn_bias: bool = False          # q/k/v biases (qwen2)
   qk_norm: bool = False            # per-head q/k RMS norms (qwen3, gemma3)
@@ -102,10 +140,7 @@ class ModelConfig:
   n_kv_shared: int = 0             # the last n layers own no KV and attend over an earlier layer's (kv_source)
   per_layer_dim: int = 0           # per-layer embedding width (`per_layer_token_embd`, each block's `inp_gate`/`proj`)
   layer_output_scale: bool = False  # each block's output times its `layer_output_scale`
-  # DeepSeek sparse attention (deepseek32, glm-dsa): a lightning indexer picks the cached rows each query attends
-  idx_n_head: int = 0
-  idx_head_dim: int = 0
-  idx_top_k: int = 0               # 0: no indexer
+  # DeepSeek sparse attention (deepseek32, glm-dsa): the indexer's rotation, key norm and layers
   idx_rope: RopeType = RopeType.NEOX  # the indexer's rotation of its first rope.dim dims: NEOX deepseek32, NORM glm-dsa
   idx_norm_eps: float = 0.0        # its key LayerNorm's eps, fixed in llama.cpp's code: 1e-6 deepseek32, never set (0) glm-dsa
   idx_full: tuple[bool, ...] = ()  # per layer: its own indexer (True) or the previous full layer's selection (glm-dsa "shared")
@@ -114,7 +149,7 @@ class ModelConfig:
   def mla(self) -> bool: return self.kv_lora_rank > 0
   @property
   def qk_nope(self) -> int: return self.head_dim - self.rope.dim
-  def is_moe_layer(self, i: int) -> bool: return self.n_expert > 0 and i >= self.n_dense_lead
+  def is_moe_layer(self, i: int) -> bool: return self.moe is not None and i >= self.n_dense_lead
   def is_swa_layer(self, i: int) -> bool: return bool(self.swa_window) and bool(self.swa_layers) and self.swa_layers[i]
   def kv_source(self, i: int) -> int | None:
     """The layer whose KV cache layer i attends over when it owns none: llama.cpp's rule for gemma4, the last cache-owning
@@ -136,22 +171,17 @@ class ModelConfig:
     arch = gf.arch
     if arch not in SUPPORTED_ARCHS:
       raise GGUFError(f"{gf.path}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
-    def key(name, default=None, required=False):
-      v = gf.get(f"{arch}.{name}", default)
-      if v is None and required: raise GGUFError(f"{gf.path}: missing metadata key {arch}.{name}")
-      return v
-    n_layer = int(key("block_count", required=True)) - int(key("nextn_predict_layers", 0))
-    dim, n_head = int(key("embedding_length", required=True)), int(key("attention.head_count", required=True))
+    m = Meta(gf, arch)
+    key = m.get
+    n_layer = m.n_layer()
+    dim, n_head = int(m.need("embedding_length")), int(m.need("attention.head_count"))
     n_kv_head, n_kv_heads = key("attention.head_count_kv", n_head), ()
     if isinstance(n_kv_head, list):
       if arch != "gemma4": raise GGUFError(f"{gf.path}: per-layer {arch}.attention.head_count_kv is not supported")
       n_kv_heads, n_kv_head = tuple(int(v) for v in n_kv_head[:n_layer]), max(n_kv_head)
     ff, ff_dims = key("feed_forward_length", 0), ()
     if isinstance(ff, list): ff_dims, ff = tuple(int(v) for v in ff[:n_layer]), max(ff)  # gemma4's double-wide FFNs
-    tokens = gf.get("tokenizer.ggml.tokens")
-    n_vocab = key("vocab_size") or (len(tokens) if tokens else None) or \
-      (gf.infos["token_embd.weight"].shape[0] if "token_embd.weight" in gf else None)
-    if not n_vocab: raise GGUFError(f"{gf.path}: cannot tell the vocabulary size (no {arch}.vocab_size, tokenizer.ggml.tokens or token_embd.weight)")
+    n_vocab = m.n_vocab()
     kv_lora = int(key("attention.kv_lora_rank", 0))
     head_dim = int(key("attention.key_length_mla", 0) or key("attention.key_length", 0) or dim // n_head)
     v_head_dim = int(key("attention.value_length_mla", 0) or key("attention.value_length", 0) or head_dim)
@@ -191,35 +221,31 @@ class ModelConfig:
     # gemma3 scales q by 1/sqrt(head_dim), except the 27B (62 layers): 1/sqrt(dim / n_head); gemma4 not at all (its q/k norms)
     attn_scale = 1.0 if arch == "gemma4" else 1.0 / math.sqrt(dim / n_head if gemma and n_layer == 62 else head_dim)
 
-    n_expert = int(key("expert_count", 0))
     n_kv_shared = int(key("attention.shared_kv_layers", 0) or 0)
     gating = key("expert_gating_func", 0)
     if not gating and arch == "deepseek32": raise GGUFError(f"{gf.path}: missing metadata key deepseek32.expert_gating_func")
     if not gating and arch == "glm-dsa": gating = Gating.SIGMOID  # llama.cpp's default for glm-dsa
     if not gating:  # llama.cpp's default for GGUFs without the key: softmax, except GLM-4.7-Flash (sigmoid)
       gating = Gating.SIGMOID if arch == "deepseek2" and n_layer in (47, 48) and n_vocab == 154880 else Gating.SOFTMAX
+    moe = MoEConfig.from_meta(m, Gating(int(gating)))
     cfg = ModelConfig(
-      arch=arch, n_layer=n_layer, dim=dim, n_vocab=int(n_vocab), n_head=n_head, n_kv_head=int(n_kv_head), head_dim=head_dim,
+      arch=arch, n_layer=n_layer, dim=dim, n_vocab=n_vocab, n_head=n_head, n_kv_head=int(n_kv_head), head_dim=head_dim,
       v_head_dim=v_head_dim, norm_eps=float(norm_eps), ctx_len=ctx_len, rope=rope,
       kq_scale=kq_mscale * kq_mscale * attn_scale, ff_dim=int(ff), ffn_act="gelu" if gemma or arch == "gpt2" else "silu",
       embed_scale=math.sqrt(dim) if gemma else 1.0, swa_window=swa_window if swa_layers else 0, swa_layers=swa_layers,
       rope_base_swa=float(key("rope.freq_base_swa", 10000.0)), logit_softcap=float(key("final_logit_softcapping", 0.0) or 0.0),
       q_lora_rank=int(key("attention.q_lora_rank", 0) or 0), kv_lora_rank=kv_lora,
-      n_expert=n_expert, n_expert_used=int(key("expert_used_count", 0)), n_expert_shared=int(key("expert_shared_count", 0)),
-      expert_ff_dim=int(key("expert_feed_forward_length", 0)), n_dense_lead=int(key("leading_dense_block_count", 0)),
-      gating=Gating(int(gating)), expert_weights_norm=bool(key("expert_weights_norm", False)),
-      expert_weights_scale=float(key("expert_weights_scale", 0.0) or 1.0),
-      n_expert_group=int(key("expert_group_count", 1) or 1), n_expert_group_used=int(key("expert_group_used_count", 1) or 1),
+      moe=moe, n_dense_lead=int(key("leading_dense_block_count", 0)) if moe else 0,
       attn_bias=has("attn_q.bias") or has("attn_qkv.bias"), qk_norm=has("attn_q_norm.weight"), sandwich_norm=has("post_attention_norm.weight"),
       fused_gate_up_exps=has("ffn_gate_up_exps.weight"), expert_bias=has("exp_probs_b.bias"),
       pos_embd=pos_embd, layer_norm=has("attn_norm.bias"), fused_qkv=has("attn_qkv.weight"), out_bias=has("attn_output.bias"),
-      ffn_gated=n_expert > 0 or has("ffn_gate.weight") or not has("ffn_up.weight"), sub_norm=has("attn_sub_norm.weight"),
+      ffn_gated=moe is not None or has("ffn_gate.weight") or not has("ffn_up.weight"), sub_norm=has("attn_sub_norm.weight"),
       weight_scales=any(has(f"{t}.scale") for t in SCALED_TENSORS),
       head_dim_swa=int(key("attention.key_length_swa", 0) or 0), rope_dim_swa=int(key("rope.dimension_count_swa", 0) or 0),
       n_kv_heads=n_kv_heads, ff_dims=ff_dims, n_kv_shared=n_kv_shared, v_norm=arch == "gemma4",
       v_from_k=tuple(i < n_layer - n_kv_shared and f"blk.{i}.attn_v.weight" not in gf for i in range(n_layer)) if arch == "gemma4" else (),
       per_layer_dim=int(key("embedding_length_per_layer_input", 0) or 0), layer_output_scale=has("layer_output_scale.weight"),
-      **_indexer(gf, arch, key, n_layer, ctx_len, rope_dim))
+      **_indexer(m, n_layer, ctx_len, rope_dim))
     for i in range(n_layer):
       if (src := cfg.kv_source(i)) is None: continue
       mine, theirs = cfg.layer(i), cfg.layer(src)
@@ -228,11 +254,12 @@ class ModelConfig:
                         "which is not a cache-owning layer of its kind and width")
     return cfg
 
-def _indexer(gf: GGUFFile, arch: str, key, n_layer: int, ctx_len: int, rope_dim: int) -> dict:
+def _indexer(m: Meta, n_layer: int, ctx_len: int, rope_dim: int) -> dict:
   """The DSA indexer's fields (deepseek32 / glm-dsa), as llama.cpp's loaders read them."""
+  gf, arch = m.gf, m.arch
   if arch not in ("deepseek32", "glm-dsa"): return {}
-  n_head, head_dim, top_k = (int(key(f"attention.indexer.{k}", required=True)) for k in ("head_count", "key_length", "top_k"))
-  types = key("attention.indexer.types")
+  n_head, head_dim, top_k = (int(m.need(f"attention.indexer.{k}")) for k in ("head_count", "key_length", "top_k"))
+  types = m.get("attention.indexer.types")
   if arch == "deepseek32": full = (True,) * n_layer
   elif types is not None: full = tuple(bool(v) for v in types[:n_layer])
   else: full = tuple(ctx_len < 1048576 or i < 2 or (i - 2) % 4 == 0 for i in range(n_layer))  # llama.cpp's GLM-5.2 pattern past 1M

@@ -42,7 +42,7 @@ import numpy as np
 from tinygrad import Tensor, UOp, dtypes
 
 from tg_ds4.backend.compat import DType, function
-from tg_ds4.config import Gating, RopeConfig, RopeType
+from tg_ds4.config import BaseConfig, Gating, Meta, MoEConfig, RopeConfig, RopeType
 from tg_ds4.io.gguf import GGUFError, GGUFFile
 from tg_ds4.nn.layers import Embedding, Linear, Param, Params, RMSNorm, load_weights, matmul, matmul_input
 from tg_ds4.nn.moe import MoE
@@ -55,48 +55,27 @@ POS_BASE = 2048  # the raw ring's position columns: every integer below it is ex
 POS_COLS = 16    # columns after each raw row: its position in the first two, zeros after. A row stride of D + 16 keeps
                  # every row 16-float aligned (with D + 2 the attention kernels read keys only two floats at a time)
 
-@dataclass(frozen=True)
-class DS4Config:
-  n_layer: int
-  dim: int
-  n_vocab: int
-  n_head: int
-  head_dim: int                     # the shared K=V row and each query head
-  norm_eps: float
-  ctx_len: int
-  rope: RopeConfig                  # layers without compression
+@dataclass(frozen=True, kw_only=True)
+class DS4Config(BaseConfig):
+  """BaseConfig (the shape, q LoRA, experts, the ratio-4 layers' indexer) and V4's own parts."""
   rope_comp: RopeConfig             # compressed layers, compressed rows and the indexer: compress base + YaRN
-  q_lora_rank: int
   o_groups: int
   o_lora_rank: int
   window: int                       # raw rows each query sees, itself included
   compress_ratios: tuple[int, ...]  # per layer: 0, 4 (overlapping windows + indexer) or 128
-  idx_n_head: int
-  idx_head_dim: int
-  idx_top_k: int
   hc: int                           # hyper-connection streams
   hc_iters: int                     # Sinkhorn iterations
   hc_eps: float
-  n_expert: int
-  n_expert_used: int
-  n_expert_shared: int
-  expert_ff_dim: int
   n_hash_layer: int                 # the first layers route by `ffn_gate_tid2eid[token]`
-  expert_weights_norm: bool
-  expert_weights_scale: float
   swiglu_clamp: tuple[float, ...]   # per layer, routed experts
   swiglu_clamp_shexp: tuple[float, ...]
   expert_bias: tuple[bool, ...] = ()  # per layer: the router's selection bias `exp_probs_b` (told by the file's tensors)
-  gating: Gating = Gating.SQRT_SOFTPLUS
-  n_expert_group: int = 1           # (nn/moe.py's MoE reads these; V4 has no expert groups)
-  n_expert_group_used: int = 1
 
   @staticmethod
   def from_gguf(gf: GGUFFile) -> DS4Config:
-    def key(name, default=None):
-      if (v := gf.get(f"deepseek4.{name}", default)) is None: raise GGUFError(f"{gf.path}: missing metadata key deepseek4.{name}")
-      return v
-    n_layer = int(key("block_count")) - int(key("nextn_predict_layers", 0))
+    m = Meta(gf, "deepseek4")
+    key = lambda name, default=None: m.need(name) if default is None else m.get(name, default)
+    n_layer = m.n_layer()
     per_layer = lambda v: tuple(float(x) for x in v[:n_layer]) if isinstance(v, list) else (float(v),) * n_layer
     head_dim, rope_dim = int(key("attention.key_length")), int(key("rope.dimension_count"))
     if int(key("attention.value_length", head_dim)) != head_dim: raise GGUFError(f"{gf.path}: deepseek4 needs value_length == key_length")
@@ -105,8 +84,7 @@ class DS4Config:
       raise GGUFError(f"{gf.path}: deepseek4.attention.compress_ratios {list(ratios)} must give 0, 4 or 128 for each of {n_layer} layers")
     if (g := int(key("expert_gating_func", Gating.SQRT_SOFTPLUS))) != Gating.SQRT_SOFTPLUS:
       raise GGUFError(f"{gf.path}: deepseek4 expects sqrt-softplus expert gating, got gating function {g}")
-    tokens = gf.get("tokenizer.ggml.tokens")
-    n_vocab = gf.get("deepseek4.vocab_size") or (len(tokens) if tokens else None) or gf.infos["token_embd.weight"].shape[0]
+    if (moe := MoEConfig.from_meta(m, Gating.SQRT_SOFTPLUS)) is None: raise GGUFError(f"{gf.path}: missing metadata key deepseek4.expert_count")
     factor = float(key("rope.scaling.factor", 0.0) or 0.0)
     yarn = key("rope.scaling.type", "none") == "yarn" and factor > 1.0
     # compressed layers: compress base with YaRN; llama.cpp passes attn_factor 1/(1 + 0.1 ln factor), which cancels the
@@ -117,7 +95,7 @@ class DS4Config:
                            float(key("rope.scaling.yarn_beta_fast", 32.0)), float(key("rope.scaling.yarn_beta_slow", 1.0)))
     clamp = per_layer(key("swiglu_clamp_exp", 0.0))
     return DS4Config(
-      n_layer=n_layer, dim=int(key("embedding_length")), n_vocab=int(n_vocab), n_head=int(key("attention.head_count")), head_dim=head_dim,
+      n_layer=n_layer, dim=int(key("embedding_length")), n_vocab=m.n_vocab(), n_head=int(key("attention.head_count")), head_dim=head_dim,
       norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)), ctx_len=int(key("context_length", 4096)),
       rope=RopeConfig(rope_dim, float(key("rope.freq_base", 10000.0)), RopeType.NORM), rope_comp=rope_comp,
       q_lora_rank=int(key("attention.q_lora_rank")), o_groups=int(key("attention.output_group_count")),
@@ -125,10 +103,8 @@ class DS4Config:
       idx_n_head=int(key("attention.indexer.head_count", 0)), idx_head_dim=int(key("attention.indexer.key_length", 0)),
       idx_top_k=int(key("attention.indexer.top_k", 0)), hc=int(key("hyper_connection.count")),
       hc_iters=int(key("hyper_connection.sinkhorn_iterations")), hc_eps=float(key("hyper_connection.epsilon")),
-      n_expert=int(key("expert_count")), n_expert_used=int(key("expert_used_count")), n_expert_shared=int(key("expert_shared_count", 0)),
-      expert_ff_dim=int(key("expert_feed_forward_length")), n_hash_layer=int(key("hash_layer_count", 0)),
-      expert_weights_norm=bool(key("expert_weights_norm", False)), expert_weights_scale=float(key("expert_weights_scale", 0.0) or 1.0),
-      swiglu_clamp=clamp, swiglu_clamp_shexp=per_layer(gf.get("deepseek4.swiglu_clamp_shexp")) if gf.get("deepseek4.swiglu_clamp_shexp") else clamp,
+      moe=moe, n_hash_layer=int(key("hash_layer_count", 0)),
+      swiglu_clamp=clamp, swiglu_clamp_shexp=per_layer(m.get("swiglu_clamp_shexp")) if m.get("swiglu_clamp_shexp") else clamp,
       expert_bias=tuple(f"blk.{i}.exp_probs_b.bias" in gf for i in range(n_layer)))
 
 @dataclass
@@ -377,10 +353,10 @@ class DS4MoE(MoE):
   """moe.MoE with V4's parts: hash routing (`ffn_gate_tid2eid[token]` picks the experts, the gate still weights them)
   in the first `n_hash_layer` layers, and the SwiGLU clamp (gate <= limit, |up| <= limit) on routed and shared experts."""
   def __init__(self, cfg: DS4Config, i: int, has_bias: bool):
-    super().__init__(cfg, has_bias=has_bias)
+    super().__init__(cfg.dim, cfg.moe, has_bias=has_bias)
     self.limit, self.limit_shexp = cfg.swiglu_clamp[i], cfg.swiglu_clamp_shexp[i]
     # the first n_hash_layer layers route by token: `ffn_gate_tid2eid[token]` picks the experts
-    self.ffn_gate_tid2eid = Params(weight=Param(cfg.n_vocab, cfg.n_expert_used)) if i < cfg.n_hash_layer else None
+    self.ffn_gate_tid2eid = Params(weight=Param(cfg.n_vocab, cfg.moe.n_expert_used)) if i < cfg.n_hash_layer else None
 
   def route(self, x: Tensor, tokens: Tensor | UOp | None = None) -> tuple[Tensor, Tensor]:
     if self.ffn_gate_tid2eid is None: return super().route(x)
@@ -390,8 +366,8 @@ class DS4MoE(MoE):
     ids = (t[tokens:tokens + 1] if isinstance(tokens, UOp) else t[tokens])
     ids = (ids.dequant(dtypes.int32) if isinstance(ids, QTensor) else ids.cast(dtypes.int32)).reshape(*x.shape[:-1], cfg.n_expert_used)
     w = probs.gather(-1, ids)
-    if cfg.expert_weights_norm: w = w / w.sum(-1, keepdim=True).maximum(6.103515625e-5)
-    return ids, w * cfg.expert_weights_scale
+    if cfg.weights_norm: w = w / w.sum(-1, keepdim=True).maximum(6.103515625e-5)
+    return ids, w * cfg.weights_scale
 
   def _swiglu(self, g: Tensor, u: Tensor, limit: float) -> Tensor:
     """Clamped SwiGLU, materialised with the same barriers as moe._swiglu (gate GEMV alone, activation in the up GEMV)."""

@@ -35,7 +35,7 @@ class Block:
     mla = (DSA(cfg, cfg.idx_full[i]) if cfg.idx_top_k else MLA(cfg)) if cfg.mla else None
     self.attn = mla or GQA(lc, bias=cfg.attn_bias, qk_norm=cfg.qk_norm, window=cfg.swa_window * self.swa, index=i,
                                              kv_from=cfg.kv_source(i), v_from_k=bool(cfg.v_from_k) and cfg.v_from_k[i])
-    if cfg.is_moe_layer(i): self.ffn = MoE(cfg, fused_gate_up=cfg.fused_gate_up_exps, has_bias=cfg.expert_bias)
+    if cfg.is_moe_layer(i): self.ffn = MoE(cfg.dim, cfg.moe, fused_gate_up=cfg.fused_gate_up_exps, has_bias=cfg.expert_bias)
     else: self.ffn = FFN(cfg.dim, lc.ff_dim, act=cfg.ffn_act, gated=cfg.ffn_gated, sub_norm_eps=cfg.norm_eps if cfg.sub_norm else None,
                          scaled=cfg.weight_scales)
     # gemma4's per-layer embeddings, gated by the block's output and added after the FFN

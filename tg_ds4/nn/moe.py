@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tinygrad import Tensor, dtypes
 
-from tg_ds4.config import Gating, ModelConfig
+from tg_ds4.config import Gating, MoEConfig
 from tg_ds4.nn.layers import Linear, Param, Params, RMSNorm
 from tg_ds4.quant import intdot, settings
 from tg_ds4.quant.formats import as_tensor, linear
@@ -97,8 +97,8 @@ class FFN:
 
 class MoE:
   gguf_flat = True
-  def __init__(self, cfg: ModelConfig, fused_gate_up: bool = False, has_bias: bool = False):
-    E, D, F = cfg.n_expert, cfg.dim, cfg.expert_ff_dim
+  def __init__(self, dim: int, cfg: MoEConfig, fused_gate_up: bool = False, has_bias: bool = False):
+    E, D, F = cfg.n_expert, dim, cfg.expert_ff_dim
     self.cfg = cfg
     self.ffn_gate_inp = Linear(D, E)
     self.exp_probs_b = Params(bias=Param(E)) if has_bias else None  # V3-style selection bias
@@ -114,17 +114,17 @@ class MoE:
     probs = {Gating.SOFTMAX: lambda: logits.softmax(-1), Gating.SIGMOID: lambda: logits.sigmoid(), Gating.SOFTMAX_WEIGHT: lambda: logits,
              Gating.SQRT_SOFTPLUS: lambda: logits.softplus().sqrt()}[cfg.gating]()
     sel = probs + as_tensor(self.exp_probs_b.bias) if self.exp_probs_b is not None else probs
-    if cfg.n_expert_group > 1:
-      G = cfg.n_expert_group
+    if cfg.n_group > 1:
+      G = cfg.n_group
       grouped = sel.reshape(*sel.shape[:-1], G, cfg.n_expert // G)
       top2 = topk_ids_values(grouped, 2, grouped)[1].sum(-1)                       # group score: sum of its best two
-      keep = _rank(top2) < cfg.n_expert_group_used                                # [B,T,G]: the best groups
+      keep = _rank(top2) < cfg.n_group_used                                # [B,T,G]: the best groups
       sel = keep.unsqueeze(-1).where(grouped, float("-inf")).reshape(sel.shape)
     ids, w = topk_ids_values(sel, cfg.n_expert_used, probs)
     if cfg.gating == Gating.SOFTMAX_WEIGHT: w = w.softmax(-1)
     # the k-term sum recomputed per weight (k^2 adds) fuses into the consumer instead of being a broadcast reduce kernel
-    if cfg.expert_weights_norm: w = w / w.unsqueeze(-2).expand(*w.shape, w.shape[-1]).sum(-1).maximum(6.103515625e-5)
-    if cfg.expert_weights_scale != 1.0: w = w * cfg.expert_weights_scale
+    if cfg.weights_norm: w = w / w.unsqueeze(-2).expand(*w.shape, w.shape[-1]).sum(-1).maximum(6.103515625e-5)
+    if cfg.weights_scale != 1.0: w = w * cfg.weights_scale
     return ids, w
 
   def _act(self, g: Tensor, u: Tensor) -> Tensor: return _swiglu(g, u)
