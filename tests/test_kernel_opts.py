@@ -234,6 +234,30 @@ def test_panel_gemm_values(unit, rows, monkeypatch):
   # stored token-major (a residual added): the loops swapped to put the panels outermost
   np.testing.assert_allclose((panel_gemm(Tensor(x), w, n) + Tensor(res)).numpy(), ref + res, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
+def test_chunk_attention_scores_share_each_key_load_and_values_take_the_gemm():
+  """MLA over a chunk (nn/mla.py): the scores are lane dot products of 32 queries per head against cached keys of a
+  symbolic count; the rule upcasts QUERY_ROWS query rows and keeps the lanes. The probabilities times the cached
+  values reduce over that symbolic count and get the GEMM opts. Both with the right values."""
+  from tinygrad import UOp
+  from tg_ds4.quant.formats import dot_lanes
+  rng = np.random.default_rng(6)
+  q, c = rng.standard_normal((1, 4, 32, 64)).astype(np.float32), rng.standard_normal((1, 256, 64)).astype(np.float32)
+  qt, ct, n = Tensor(q).realize(), Tensor(c).realize(), UOp.variable("start_pos", 0, 200).bind(40) + 32
+  keys = ct[:, :n].unsqueeze(1)                                                   # [1, 1, n, 64]
+  (k,) = schedulers(dot_lanes(qt, keys, 8))
+  ours = kernel_opts.cpu_heuristic(k.copy())
+  assert [o.arg for o in ours.applied_opts if o.op is OptOps.UPCAST] == [kernel_opts.QUERY_ROWS], ours.applied_opts
+  assert any(o.op is OptOps.UNROLL for o in ours.applied_opts), ours.applied_opts
+  ref = np.einsum("htd,nd->htn", q[0].astype(np.float64), c[0, :72].astype(np.float64))
+  fixed = lambda t: t.pad(((0, 0),) * (t.ndim - 1) + ((0, 256 - n),)).numpy()[..., :72]  # the symbolic length padded to 256
+  np.testing.assert_allclose(fixed(dot_lanes(qt, keys, 8))[0], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+  p = Tensor(rng.random((32, 256)).astype(np.float32)).realize()[:, :n]           # [rows, n], smaller than the cache
+  (k,) = schedulers(p @ ct[0, :n])
+  tokens, vec = kernel_opts.CPU.gemm
+  assert [o.arg for o in kernel_opts.cpu_heuristic(k.copy()).applied_opts if o.op is OptOps.UPCAST] == [tokens, vec]
+  ref = p.pad(((0, 0), (0, 256 - n))).numpy()[:, :72].astype(np.float64) @ c[0, :72].astype(np.float64)
+  np.testing.assert_allclose((p @ ct[0, :n]).numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
 def test_other_kernels_unchanged():
   w = Tensor.ones(256, 64).contiguous().realize()  # [out, in]: contiguous along the reduce axis, neither GEMM_OPTS nor lanes
   (k,) = schedulers(Tensor.ones(32, 64).contiguous().realize() @ w.T)

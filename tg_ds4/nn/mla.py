@@ -65,10 +65,10 @@ class MLA:
     q = (self.attn_q_b(qr) if cfg.q_lora_rank else self.attn_q(x)).reshape(B, T, H, cfg.head_dim)
     q_pe = apply_rope(q[..., nope:], rope, start_pos, cfg.rope.type)
     # absorb k_b into the query: [B,H,T,nope] @ [H,nope,L] -> [B,H,T,L]
-    q_lat = _absorb(q[..., :nope].transpose(1, 2), self.attn_k_b.weight)
+    q_lat = _absorb(q[..., :nope].transpose(1, 2), self.attn_k_b.weight, gemm=T > 1)
     # a batched step's rows: the absorb as its own kernel; fused into the concatenation with the rope part, its GEMV
-    # over several rows loads every packed byte under the concatenation's bounds check
-    if B > 1: q_lat = q_lat.contiguous()
+    # over several rows loads every packed byte under the concatenation's bounds check. A chunk's: a GEMM per head
+    if B > 1 or T > 1: q_lat = q_lat.contiguous()
     q = q_lat.cat(q_pe.transpose(1, 2), dim=-1)                                         # [B,H,T,L+R]
     # several rows: the query materialized once; read through the concatenation, each row's scores kernel lost its 8 lanes
     if len(rows) > 1: q = q.contiguous()
@@ -81,8 +81,9 @@ class MLA:
       one = (lambda t: t) if len(rows) == 1 else (lambda t: None if t is None else t[b:b + 1])
       sh = shared if len(rows) == 1 or shared is None else shared.setdefault(("row", b), {})
       k, mask = self.rows(cache, keys, s, one(x), one(qr), p, rope, sh)                # [1,1,n,L+R], [T,n]
-      # a one-token step: 8 lanes (one 256-bit accumulator); with 16, clang left V2-Lite's 576-wide scores scalar
-      scores = (dot_lanes(one(q), k, 8) if T == 1 else one(q).matmul(k.transpose(-1, -2), dtype=dtypes.float32)) * cfg.kq_scale  # [1,H,T,n]
+      # 8 lanes (one 256-bit accumulator); with 16, clang left V2-Lite's 576-wide scores scalar. A chunk's too: as one
+      # chain of dependent adds per score, each waiting on the one before, they ran at a twentieth of the lanes' speed
+      scores = dot_lanes(one(q), k, 8) * cfg.kq_scale                                  # [1,H,T,n]
       if mask is not None: scores = scores + mask
       p = scores.softmax(-1)
       # a chunk's heads and tokens as one axis of rows: through the 4-D matmul, the latent rows' (symbolic) count split

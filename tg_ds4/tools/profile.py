@@ -133,9 +133,11 @@ def profile_model(model, pos: int = 127, repeat: int = 10, prefill: bool = False
     for _ in range(3): step(*tok())
     res["decode"] = _summarize(*_timed_replays(step, tok, names, repeat), pos=pos, tokens=rows)
     if prefill:
-      C = model.PREFILL_CHUNKS[0]
+      # the chunk a long prompt runs, of distinct tokens: a MoE's routing (how many tokens share an expert) depends on them
+      C = model.PREFILL_CHUNK
+      ids = [1 + 7919 * i % (model.cfg.n_vocab - 1) for i in range(C)]
       pstep = Jit(lambda t, sp: model.forward(t, sp, last_only=True).realize())
-      chunk = lambda: (Tensor([[1] * C], dtype=dtypes.int32), UOp.variable("start_pos", 0, model.max_ctx - 1).bind(max(pos - C, 0)))
+      chunk = lambda: (Tensor([ids], dtype=dtypes.int32), UOp.variable("start_pos", 0, model.max_ctx - 1).bind(max(pos - C, 0)))
       for _ in range(3): pstep(*chunk())
       res["prefill"] = _summarize(*_timed_replays(pstep, chunk, names, max(3, repeat // 3)), pos=max(pos - C, 0), tokens=C)
   return res

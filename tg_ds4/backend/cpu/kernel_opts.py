@@ -124,8 +124,9 @@ def _gemm(k: Scheduler) -> Scheduler | None:
   """The GEMM opts for a float32 weight contiguous along its one output axis, tokens along the other; None otherwise.
   A batch axis (one matrix per attention head: MLA's absorb weights over a chunk) indexes the weight and the tokens'
   input alike and stays a loop around the GEMM. The weight is the largest input; of two as large, either (attn_v_b's
-  latent input is as big as its weight)."""
-  if len(k.unrollable_dims) != 1: return None
+  latent input is as big as its weight). The reduce may have a symbolic size (attention's probabilities times the
+  cached values, over the positions so far)."""
+  if len(k.axes_of(AxisType.GROUP_REDUCE, AxisType.REDUCE)) != 1: return None
   stores = {u.src[0] for u in k.ast.toposort() if u.op is Ops.STORE}
   inputs = [b for b in k.bufs if b not in stores]
   most = max((b.src[0].max_numel() for b in inputs), default=0)
@@ -140,7 +141,8 @@ def _gemm_on(k: Scheduler, weight: UOp, others: list[UOp]) -> Scheduler | None:
   t = [a for a in outs if k.rngs[a] not in idx.backward_slice]
   o = [a for a in ws if any(c is k.rngs[a] for c in idx.split_uop(Ops.ADD))]  # the weight's stride-1 output axis
   # (the other operand of the product is the input indexed by the reduce axis too; a residual added after is not)
-  xs = [b.src[1].get_idx().backward_slice for b in others if k.rngs[k.unrollable_dims[0]] in b.src[1].get_idx().backward_slice]
+  reduce = k.rngs[k.axes_of(AxisType.GROUP_REDUCE, AxisType.REDUCE)[0]]
+  xs = [b.src[1].get_idx().backward_slice for b in others if reduce in b.src[1].get_idx().backward_slice]
   batch = [a for a in ws if a not in o and any(k.rngs[a] in x for x in xs)]
   # a `[in, out]` weight has that one output axis; a panel copy (`[out / n, in, n]`, quant/formats.py's panel_gemm) a second, the
   # panel, which is then the axis split over the cores
@@ -207,9 +209,28 @@ def _rows_first(k: Scheduler) -> Scheduler:
   except KernelOptError: return k
   return alt
 
+QUERY_ROWS = 4
+
+def _query_rows(k: Scheduler) -> Scheduler:
+  """Lane dot products of several query rows against one float32 operand that does not move with them (a chunk's
+  attention scores against the cached keys, quant/formats.py's dot_lanes): QUERY_ROWS rows upcast, so each loaded
+  run of keys serves that many queries and their accumulator chains interleave. Left alone, each score is one chain
+  of vector multiply-adds, each waiting on the one before, and the keys are read again for every query row."""
+  if k.reduceop is None or prod(k.full_shape[a] for a in k.axes_of(AxisType.UNROLL)) < PACKED_MIN_LANES: return k
+  stores = {u.src[0] for u in k.ast.toposort() if u.op is Ops.STORE}
+  keys = max((b for b in k.bufs if b not in stores), key=lambda b: b.src[0].max_numel() * b.src[0].dtype.itemsize, default=None)
+  if keys is None or keys.src[0].dtype != dtypes.float32 or k.axes_of(AxisType.UPCAST): return k
+  idx = keys.src[1].get_idx().backward_slice
+  rows = [a for a in k.upcastable_dims if k.rngs[a] not in idx and isinstance(n := k.full_shape[a], int) and n % QUERY_ROWS == 0]
+  if not rows or QUERY_ROWS < 2: return k
+  alt = k.copy()
+  try: alt.apply_opt(Opt(OptOps.UPCAST, rows[-1], QUERY_ROWS))
+  except KernelOptError: return k
+  return alt
+
 def rules(k: Scheduler) -> Scheduler:
   """Our choices for a CPU kernel of any shape (tinygrad's heuristic where no rule applies)."""
-  return _gemm(k) or _transposing_unpack(k) or _unroll_lanes(_lanes_first(k, _hand_coded(_rows_first(k))))
+  return _gemm(k) or _transposing_unpack(k) or _query_rows(_unroll_lanes(_lanes_first(k, _hand_coded(_rows_first(k)))))
 
 def cpu_heuristic(k: Scheduler) -> Scheduler:
   """`rules` on CPU renderers, backend/gpu/kernel_opts.py's packed GEMVs on the others. Should a rule still fail on a
