@@ -155,3 +155,26 @@ def test_a_chunk_takes_the_tiles_only_for_a_big_weight():
   tiled = lambda t: any("intdot" in u.arg.name for u in t.uop.toposort() if u.op is Ops.SINK and hasattr(u.arg, "name"))
   with settings.override(numerics="llama.cpp"):
     assert tiled(linear(x, big)) and not tiled(linear(x, small)) and tiled(linear(x[:, :1], small))
+
+@pytest.mark.skipif(not backend.capabilities("CPU").int_dot_vnni, reason="needs AVX-512 VNNI or AVX-VNNI")
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+def test_vnni_gives_the_same_integers(fmt, monkeypatch):
+  """`vpdpbusd` (one instruction) against `vpmaddubsw` + `vpmaddwd` (AVX2): bitwise the same outputs, extremes included
+  (Q8_0 weight bytes of -128 and 127 against x rounded to +-127, where an int16 pair sum is largest), for a GEMV and a
+  prefill chunk's tiles; and both within the reference's tolerance."""
+  monkeypatch.setattr(intdot, "GEMM_MIN_FLOAT_BYTES", 0)
+  rng = np.random.default_rng(8)
+  raw = _blocks(rng, fmt, 64, 256)
+  if fmt == "Q8_0": raw[:8, :, 2:] = rng.choice(np.array([128, 127], np.uint8), size=raw[:8, :, 2:].shape)  # -128 and 127
+  w = QTensor(Tensor(raw).realize(), QT[fmt], (64, 256))
+  for rows in (1, 16):
+    x = np.sign(rng.standard_normal((rows, 1, 256))).astype(np.float32)                      # every value rounds to +-127
+    x[:, :, ::3] *= rng.random((rows, 1, 86)).astype(np.float32)
+    with settings.override(numerics="llama.cpp"): vnni = linear(Tensor(x), w).numpy()
+    monkeypatch.setenv("TG_DS4_VNNI", "0")
+    with settings.override(numerics="llama.cpp"):
+      assert not settings.current().caps.int_dot_vnni
+      avx2 = linear(Tensor(x), w).numpy()
+    monkeypatch.delenv("TG_DS4_VNNI")
+    assert np.array_equal(vnni, avx2)
+    _check(vnni, _reference(x, raw, fmt))

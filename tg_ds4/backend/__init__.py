@@ -49,14 +49,17 @@ class Capabilities:
                             # (quant/intdot.py), which "auto" numerics round for (quant/activations.py)
   int_gemm: bool            # a prefill chunk's matmuls over those formats take them too, in tiles of rows, instead of a
                             # float GEMM over the weight dequantized once per chunk
+  int_dot_vnni: bool        # those block dots take VNNI's one multiply-add of unsigned by signed bytes into int32 lanes
+                            # (AVX-512 VNNI or AVX-VNNI) where AVX2 needs two (bytes to int16 pairs, pairs to int32): the
+                            # same integers, as no int16 pair sum of these formats reaches the saturation bound
   widen_weights: bool       # dense weights in formats the CPU's code handles slowly re-encoded at load (models/widen.py)
 
 INT_DOT_FORMATS = frozenset({"Q4_0", "Q4_1", "Q8_0"})  # the weight formats quant/intdot.py has kernels for
 
 def capabilities(device: str | None = None) -> Capabilities:
   """`device`'s capabilities under the current TG_DS4_* knobs: `TG_DS4_AFFINE_GEMV=0`, `TG_DS4_EXPERT_TILES=0`,
-  `TG_DS4_INT_DOT=0`, `TG_DS4_INT_GEMM=0` and `TG_DS4_WIDEN=0` turn their field off; `TG_DS4_KERNEL_OPTS=0` (or another tinygrad release) the
-  forms made for our kernel heuristic."""
+  `TG_DS4_INT_DOT=0`, `TG_DS4_INT_GEMM=0`, `TG_DS4_VNNI=0` and `TG_DS4_WIDEN=0` turn their field off;
+  `TG_DS4_KERNEL_OPTS=0` (or another tinygrad release) the forms made for our kernel heuristic."""
   device = Device.canonicalize(device or Device.DEFAULT)
   ren, on = Device[device].renderer, lambda knob: os.environ.get(knob, "1") != "0"
   cpu_forms, opts = not ren.has_local, compat.kernel_opts_on()
@@ -66,6 +69,7 @@ def capabilities(device: str | None = None) -> Capabilities:
     in_range_gathers=getattr(ren, "has_threads", False), affine_gemv=cpu_forms and opts and on("TG_DS4_AFFINE_GEMV"),
     expert_tiles=cpu_forms and on("TG_DS4_EXPERT_TILES"), rotated_q_stored=cpu_forms, norm_stored=cpu_forms, absorb_gemm=cpu_forms and opts,
     int_dot_formats=INT_DOT_FORMATS if int_dot else frozenset(), int_gemm=int_dot and on("TG_DS4_INT_GEMM"),
+    int_dot_vnni=int_dot and _vnni_cpu() and on("TG_DS4_VNNI"),
     widen_weights=on_cpu(device) and on("TG_DS4_WIDEN"))
 
 def _cpu_panel() -> int:
@@ -76,6 +80,12 @@ def _cpu_panel() -> int:
 def _avx2_cpu() -> bool:
   from tg_ds4.backend.cpu.kernel_opts import _cpu_flags  # the one reading of /proc/cpuinfo; imported only where compat allows
   return platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "f16c", "fma"} <= set(_cpu_flags().split())
+
+@functools.cache
+def _vnni_cpu() -> bool:
+  from tg_ds4.backend.cpu.kernel_opts import _cpu_flags  # as _avx2_cpu
+  flags = set(_cpu_flags().split())
+  return "avx_vnni" in flags or {"avx512_vnni", "avx512vl"} <= flags
 
 def prepare_device(device: str) -> None:
   """Before anything is lowered for `device`: our kernel heuristic (backend/cpu/kernel_opts.py on CPU renderers, the

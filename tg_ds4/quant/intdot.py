@@ -69,9 +69,13 @@ _UNPACK = {
           "      v32c wq_ = (v32c)__builtin_shufflevector(lo_, hi_, " + ",".join(map(str, range(32))) + ");",
   "Q8_0": "v32c wq_; __builtin_memcpy(&wq_, blk_ + 2, 32);"}
 
-def _source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered: bool, x_per_matrix: bool, tiles: int = 1) -> str:
+def _source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered: bool, x_per_matrix: bool, tiles: int = 1,
+            vnni: bool = False) -> str:
   """`tiles` > 1 (a prefill chunk, ungathered): the output row against `tiles` consecutive tiles of `rows` rows of x in
-  turn, each tile with its own accumulators, so a row's result is the same as in a tile alone."""
+  turn, each tile with its own accumulators, so a row's result is the same as in a tile alone. `vnni`: each block's
+  int32 lanes from one `vpdpbusd` (backend.Capabilities.int_dot_vnni), the same integers."""
+  dot = ("__builtin_ia32_vpdpbusd256((v8i){0,0,0,0,0,0,0,0}, (v8i)aw_, (v8i)__builtin_ia32_psignb256(xv_, wq_))" if vnni else
+         "__builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256(aw_, __builtin_ia32_psignb256(xv_, wq_)), one_)")
   bb, m = FORMATS[fmt], fmt == "Q4_1"  # Q4_1: + its minimum times x's block sum, a float sum of its own (ggml's summs)
   mat = ("((const int *)@IDX@)[@R@ / %d]" if gathered else "@R@ / %d") % out
   xrow = "(@R@ / %d) * %d" % (out, rows * tiles) if x_per_matrix else "0"
@@ -94,7 +98,7 @@ def _source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered:
     const v32c aw_ = __builtin_ia32_psignb256(wq_, wq_);
     for (int r_ = 0; r_ < {rows}; r_++) {{
       v32c xv_; __builtin_memcpy(&xv_, (const signed char *)@XQ@ + ((long)(xr_ + r_) * {nb} + b_) * 32, 32);
-      const v8i s_ = __builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256(aw_, __builtin_ia32_psignb256(xv_, wq_)), one_);
+      const v8i s_ = {dot};
       acc_[r_] = acc_[r_] + __builtin_convertvector(s_, v8f) * (dw_ * ((const float *)@XD@)[(long)(xr_ + r_) * {nb} + b_]);
       {"sm_[r_] += mw_ * ((const float *)@XS@)[(long)(xr_ + r_) * %d + b_];" % nb if m else ""}
     }}
@@ -188,7 +192,8 @@ def linear(x: Tensor, w) -> Tensor:
   names = [*srcs, "R"]
   matrix_bytes = out * nb * FORMATS[fmt]
   rows, tiles = (R, 1) if R <= MAX_ROWS else (MAX_ROWS, R // MAX_ROWS)    # a chunk: tiles of MAX_ROWS rows
-  body = _format_string(_source(fmt, nb, out, rows, matrix_bytes, gathered, x_per_matrix, tiles), names)
+  vnni = settings.current(str(w.device)).caps.int_dot_vnni
+  body = _format_string(_source(fmt, nb, out, rows, matrix_bytes, gathered, x_per_matrix, tiles, vnni), names)
   threads = _threads(str(w.device), L * out)
   def kernel(*params: UOp) -> UOp:
     # the rows split over the threads by hand (a THREAD range outermost): tinygrad's opts pass would rebuild the
