@@ -178,3 +178,15 @@ def test_vnni_gives_the_same_integers(fmt, monkeypatch):
     monkeypatch.delenv("TG_DS4_VNNI")
     assert np.array_equal(vnni, avx2)
     _check(vnni, _reference(x, raw, fmt))
+
+def test_dead_matrices_compute_nothing():
+  """`live` (nn/moe.py's padding tiles): a gathered matrix flagged 0 gives zeros, the others exactly what they give alone."""
+  rng = np.random.default_rng(9)
+  raw, ids = _blocks(rng, "Q4_0", 8, 64, 256), np.array([6, 1, 6], np.int32)
+  x = rng.standard_normal((3, 4, 256)).astype(np.float32)
+  w = QTensor(Tensor(raw).realize(), QT["Q4_0"], (8, 64, 256))
+  with settings.override(numerics="llama.cpp"):
+    every = intdot.linear(Tensor(x), w[Tensor(ids)]).numpy()
+    some = intdot.linear(Tensor(x), w[Tensor(ids)], Tensor(np.array([1, 0, 1], np.int32))).numpy()
+  assert np.array_equal(some[[0, 2]], every[[0, 2]]) and not some[1].any() and every[1].any()
+  _check(every, _reference(x, raw[ids], "Q4_0"))

@@ -63,6 +63,13 @@ def group_by_expert(e: Tensor, n_expert: int, n_tiles: int) -> tuple[Tensor, Ten
   pair = (slot.unsqueeze(0) == Tensor.arange(n_tiles * R).unsqueeze(1)).where(ar, 0).sum(-1)  # [n_tiles * R]
   return tile_expert.cast(dtypes.int32), pair.reshape(n_tiles, R).cast(dtypes.int32), slot.cast(dtypes.int32)
 
+def live_tiles(e: Tensor, n_expert: int, n_tiles: int) -> Tensor:
+  """`[n_tiles]` int32: 1 for the tiles group_by_expert fills (each expert's), 0 for the ones after them, which only pad
+  the static tile count (the same expressions as group_by_expert's, so the graph shares them)."""
+  onehot = e.unsqueeze(-1) == Tensor.arange(n_expert)
+  used = ((onehot.sum(0) + TILE_ROWS - 1) // TILE_ROWS).sum()
+  return (Tensor.arange(n_tiles) < used).cast(dtypes.int32)
+
 def _swiglu(g: Tensor, u: Tensor, act: str = "silu") -> Tensor:
   """act(gate) * up as three kernels' worth of barriers: the gate GEMV alone, the up GEMV with the activation as its
   epilogue, materialised for the down projection (which would otherwise recompute it per output row). Left to itself
@@ -133,16 +140,18 @@ class MoE:
     names = ("ffn_gate_up_exps", "ffn_down_exps") if self.ffn_gate_up_exps is not None else ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
     return [getattr(self, n).weight for n in names]
 
-  def _ffn_exps(self, h: Tensor, idx: Tensor, affine: bool = True) -> Tensor:
-    """The routed experts' SwiGLU on rows `h` `[*lead, rows, D]` with the experts `idx` (shape `lead`) -> `[*lead, rows, D]`."""
+  def _ffn_exps(self, h: Tensor, idx: Tensor, affine: bool = True, live: Tensor | None = None) -> Tensor:
+    """The routed experts' SwiGLU on rows `h` `[*lead, rows, D]` with the experts `idx` (shape `lead`) -> `[*lead, rows, D]`.
+    `live` (integer dot tiles only): per tile, 0 where it only pads the tile count (its rows are never read)."""
+    lin = (lambda x, w: intdot.linear(x, w, live)) if live is not None else (lambda x, w: linear(x, w, affine=affine))
     if self.ffn_gate_up_exps is not None:
-      gu = linear(h, self.ffn_gate_up_exps.weight[idx], affine=affine)
+      gu = lin(h, self.ffn_gate_up_exps.weight[idx])
       F = gu.shape[-1] // 2
       act = (gu[..., :F].silu() * gu[..., F:]).contiguous()
-    else: act = self._act(linear(h, self.ffn_gate_exps.weight[idx], affine=affine), linear(h, self.ffn_up_exps.weight[idx], affine=affine))
+    else: act = self._act(lin(h, self.ffn_gate_exps.weight[idx]), lin(h, self.ffn_up_exps.weight[idx]))
     # materialised: the weighted sum over experts then fuses into the residual add instead of into the down GEMV,
     # whose reduction over experts and rows together ran far slower than the down GEMV alone
-    return linear(act, self.ffn_down_exps.weight[idx], affine=affine).contiguous()
+    return lin(act, self.ffn_down_exps.weight[idx]).contiguous()
 
   def experts(self, x: Tensor, ids: Tensor, w: Tensor) -> Tensor:
     """`sum_j w[..., j] * expert_{ids[..., j]}(x)` for x `[B,T,D]`, reading only the selected experts' bytes: a GEMV per
@@ -153,7 +162,8 @@ class MoE:
     if not self.tiled(B * T * ids.shape[-1], x.device):
       y = self._ffn_exps(x.unsqueeze(-2).unsqueeze(-2), ids).squeeze(-2)                              # [B,T,k,D]
     else:
-      tile_expert, pair, slot = group_by_expert(ids.flatten(), self.cfg.n_expert, expert_tiles(B * T * ids.shape[-1], self.cfg.n_expert))
+      n_tiles = expert_tiles(B * T * ids.shape[-1], self.cfg.n_expert)
+      tile_expert, pair, slot = group_by_expert(ids.flatten(), self.cfg.n_expert, n_tiles)
       # the tile's expert broadcast over its rows before the gather, not the gathered weight after it: tinygrad realizes
       # a gather (a one-hot reduce) that is broadcast, here every tile's weights unpacked to float32 (25 GB a V2-Lite-
       # shaped chunk); gathered per row with one index, every row's loads are one load, which kernel_opts holds in
@@ -161,8 +171,8 @@ class MoE:
       # add per row and value): the tile's rows then cost one multiply-add each per value.
       h = x.reshape(B * T, D)[pair // ids.shape[-1]]                                                 # [tiles, TILE_ROWS, D]
       # llama.cpp's integer dots (quant/intdot.py) take a tile's rows as rows of x against its one gathered
-      # weight, each block unpacked once for all of them
-      if intdot.takes_all(*self._exps_weights()): rows = self._ffn_exps(h, tile_expert)
+      # weight, each block unpacked once for all of them; the tiles past the used ones compute nothing
+      if intdot.takes_all(*self._exps_weights()): rows = self._ffn_exps(h, tile_expert, live=live_tiles(ids.flatten(), self.cfg.n_expert, n_tiles))
       else: rows = self._ffn_exps(h.unsqueeze(-2), tile_expert.unsqueeze(-1).expand(pair.shape), affine=False)
       y = rows.reshape(-1, D)[slot].reshape(*ids.shape, D)                                          # each pair's row
     y = (y * w.unsqueeze(-1)).sum(-2)                                                               # [B,T,D]

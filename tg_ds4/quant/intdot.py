@@ -70,10 +70,11 @@ _UNPACK = {
   "Q8_0": "v32c wq_; __builtin_memcpy(&wq_, blk_ + 2, 32);"}
 
 def _source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered: bool, x_per_matrix: bool, tiles: int = 1,
-            vnni: bool = False) -> str:
+            vnni: bool = False, live: bool = False) -> str:
   """`tiles` > 1 (a prefill chunk, ungathered): the output row against `tiles` consecutive tiles of `rows` rows of x in
   turn, each tile with its own accumulators, so a row's result is the same as in a tile alone. `vnni`: each block's
-  int32 lanes from one `vpdpbusd` (backend.Capabilities.int_dot_vnni), the same integers."""
+  int32 lanes from one `vpdpbusd` (backend.Capabilities.int_dot_vnni), the same integers. `live`: a flag per gathered
+  matrix (`@LIVE@`); a matrix whose flag is 0 computes nothing and its outputs are 0."""
   dot = ("__builtin_ia32_vpdpbusd256((v8i){0,0,0,0,0,0,0,0}, (v8i)aw_, (v8i)__builtin_ia32_psignb256(xv_, wq_))" if vnni else
          "__builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256(aw_, __builtin_ia32_psignb256(xv_, wq_)), one_)")
   bb, m = FORMATS[fmt], fmt == "Q4_1"  # Q4_1: + its minimum times x's block sum, a float sum of its own (ggml's summs)
@@ -85,12 +86,13 @@ def _source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered:
   typedef float v8f __attribute__((vector_size(32)));
   const unsigned char *w_ = (const unsigned char *)@W@ + (long)({mat}) * {matrix_bytes}L + (long)(@R@ % {out}) * {nb * bb};
   const v16s one_ = {{1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1}};
+  const int live_ = {"((const int *)@LIVE@)[@R@ / %d]" % out if live else "1"};
   for (int t_ = 0; t_ < {tiles}; t_++) {{
   const int xr_ = {xrow} + t_ * {rows};
   v8f acc_[{rows}];
   float sm_[{rows}];
   for (int r_ = 0; r_ < {rows}; r_++) {{ acc_[r_] = (v8f){{0,0,0,0,0,0,0,0}}; sm_[r_] = 0.0f; }}
-  for (int b_ = 0; b_ < {nb}; b_++) {{
+  for (int b_ = 0; b_ < (live_ ? {nb} : 0); b_++) {{
     const unsigned char *blk_ = w_ + b_ * {bb};
     {_UNPACK[fmt]}
     __fp16 h_; __builtin_memcpy(&h_, blk_, 2); const float dw_ = (float)h_;
@@ -169,9 +171,10 @@ def _threads(device: str, n: int) -> int:
   g = (Device[device].renderer.global_max or (1,))[0]
   return max(t for t in range(1, g + 1) if n % t == 0)
 
-def linear(x: Tensor, w) -> Tensor:
+def linear(x: Tensor, w, live: Tensor | None = None) -> Tensor:
   """`x @ w.T` for `applies(x, w)`, float32: w `[out, in]` and x `[..., in]` (every leading axis rows) -> `[..., out]`;
-  w `[*lead, out, in]` and x `[*lead', R, in]` (lead' broadcasts to lead) -> `[*lead, R, out]`."""
+  w `[*lead, out, in]` and x `[*lead', R, in]` (lead' broadcasts to lead) -> `[*lead, R, out]`. `live` (a gathered w:
+  one int per matrix, shape `lead`): where 0, that matrix's outputs are 0 and cost nothing (nn/moe.py's unused tiles)."""
   fmt, (out, k), lead = w.qtype.name, w.shape[-2:], w.shape[:-2]
   nb, L = k // 32, prod(lead)
   shape = (*x.shape[:-1], out)
@@ -189,11 +192,12 @@ def linear(x: Tensor, w) -> Tensor:
   srcs = {"OUT": Tensor.empty(L * R * out, dtype=dtypes.float32, device=w.device), "W": base.flatten(), "XQ": xq.flatten(), "XD": xs[0].flatten()}
   if len(xs) > 1: srcs["XS"] = xs[1].flatten()
   if gathered: srcs["IDX"] = idx[0].cast(dtypes.int32).contiguous().flatten()
+  if live is not None: srcs["LIVE"] = live.cast(dtypes.int32).contiguous().flatten()
   names = [*srcs, "R"]
   matrix_bytes = out * nb * FORMATS[fmt]
   rows, tiles = (R, 1) if R <= MAX_ROWS else (MAX_ROWS, R // MAX_ROWS)    # a chunk: tiles of MAX_ROWS rows
   vnni = settings.current(str(w.device)).caps.int_dot_vnni
-  body = _format_string(_source(fmt, nb, out, rows, matrix_bytes, gathered, x_per_matrix, tiles, vnni), names)
+  body = _format_string(_source(fmt, nb, out, rows, matrix_bytes, gathered, x_per_matrix, tiles, vnni, live is not None), names)
   threads = _threads(str(w.device), L * out)
   def kernel(*params: UOp) -> UOp:
     # the rows split over the threads by hand (a THREAD range outermost): tinygrad's opts pass would rebuild the
