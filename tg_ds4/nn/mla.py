@@ -81,8 +81,8 @@ class MLA:
       one = (lambda t: t) if len(rows) == 1 else (lambda t: None if t is None else t[b:b + 1])
       sh = shared if len(rows) == 1 or shared is None else shared.setdefault(("row", b), {})
       k, mask = self.rows(cache, keys, s, one(x), one(qr), p, rope, sh)                # [1,1,n,L+R], [T,n]
-      # 8 lanes (one 256-bit accumulator); with 16, clang left V2-Lite's 576-wide scores scalar. A chunk's too: as one
-      # chain of dependent adds per score, each waiting on the one before, they ran at a twentieth of the lanes' speed
+      # 8 lanes (one 256-bit accumulator); with 16, clang left V2-Lite's 576-wide scores scalar. A chunk's too: a plain
+      # matmul renders each score as one chain of dependent adds, each waiting on the one before
       scores = dot_lanes(one(q), k, 8) * cfg.kq_scale                                  # [1,H,T,n]
       if mask is not None: scores = scores + mask
       p = scores.softmax(-1)
