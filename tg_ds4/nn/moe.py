@@ -46,6 +46,11 @@ def expert_tiles(pairs: int, n_expert: int) -> int:
   expert's pairs fill whole tiles but its last."""
   return -(-pairs // TILE_ROWS) + n_expert
 
+def _tiles_each(e: Tensor, n_expert: int) -> tuple[Tensor, Tensor]:
+  """(each pair's expert one-hot `[P, E]`, the tiles each expert's pairs fill `[E]`)."""
+  onehot = e.unsqueeze(-1) == Tensor.arange(n_expert)
+  return onehot, (onehot.sum(0) + TILE_ROWS - 1) // TILE_ROWS
+
 def group_by_expert(e: Tensor, n_expert: int, n_tiles: int) -> tuple[Tensor, Tensor, Tensor]:
   """A chunk's (token, expert) pairs (`e` `[P]`: each pair's expert) grouped by expert into `n_tiles` tiles of TILE_ROWS
   rows, on the device with static shapes (counts, ranks and prefix sums as compares and sums): expert e's pairs fill
@@ -53,8 +58,7 @@ def group_by_expert(e: Tensor, n_expert: int, n_tiles: int) -> tuple[Tensor, Ten
   `[n_tiles, TILE_ROWS]`, each pair's row `[P]`). A row no pair fills reads pair 0 and is never read back; the tiles
   after the last used one take expert n_expert - 1 (their bytes come from memory once, then from cache)."""
   R, ar = TILE_ROWS, Tensor.arange(e.shape[0])
-  onehot = e.unsqueeze(-1) == Tensor.arange(n_expert)                                         # [P, E]
-  tiles = (onehot.sum(0) + R - 1) // R                                                        # [E]: tiles per expert
+  onehot, tiles = _tiles_each(e, n_expert)                                                    # [P, E], [E]
   ex = Tensor.arange(n_expert)
   end = (ex.unsqueeze(1) >= ex.unsqueeze(0)).where(tiles.unsqueeze(0), 0).sum(-1)            # [E]: inclusive prefix sums
   rank = ((e.unsqueeze(0) == e.unsqueeze(1)) & (ar.unsqueeze(0) < ar.unsqueeze(1))).sum(-1)  # [P]: earlier pairs of its expert
@@ -65,10 +69,8 @@ def group_by_expert(e: Tensor, n_expert: int, n_tiles: int) -> tuple[Tensor, Ten
 
 def live_tiles(e: Tensor, n_expert: int, n_tiles: int) -> Tensor:
   """`[n_tiles]` int32: 1 for the tiles group_by_expert fills (each expert's), 0 for the ones after them, which only pad
-  the static tile count (the same expressions as group_by_expert's, so the graph shares them)."""
-  onehot = e.unsqueeze(-1) == Tensor.arange(n_expert)
-  used = ((onehot.sum(0) + TILE_ROWS - 1) // TILE_ROWS).sum()
-  return (Tensor.arange(n_tiles) < used).cast(dtypes.int32)
+  the static tile count (from group_by_expert's own counts, which the graph shares)."""
+  return (Tensor.arange(n_tiles) < _tiles_each(e, n_expert)[1].sum()).cast(dtypes.int32)
 
 def _swiglu(g: Tensor, u: Tensor, act: str = "silu") -> Tensor:
   """act(gate) * up as three kernels' worth of barriers: the gate GEMV alone, the up GEMV with the activation as its
@@ -125,7 +127,7 @@ class MoE:
       G = cfg.n_group
       grouped = sel.reshape(*sel.shape[:-1], G, cfg.n_expert // G)
       top2 = topk_ids_values(grouped, 2, grouped)[1].sum(-1)                       # group score: sum of its best two
-      keep = _rank(top2) < cfg.n_group_used                                # [B,T,G]: the best groups
+      keep = _rank(top2) < cfg.n_group_used                                       # [B,T,G]: the best groups
       sel = keep.unsqueeze(-1).where(grouped, float("-inf")).reshape(sel.shape)
     ids, w = topk_ids_values(sel, cfg.n_expert_used, probs)
     if cfg.gating == Gating.SOFTMAX_WEIGHT: w = w.softmax(-1)
@@ -143,7 +145,7 @@ class MoE:
   def _ffn_exps(self, h: Tensor, idx: Tensor, affine: bool = True, live: Tensor | None = None) -> Tensor:
     """The routed experts' SwiGLU on rows `h` `[*lead, rows, D]` with the experts `idx` (shape `lead`) -> `[*lead, rows, D]`.
     `live` (integer dot tiles only): per tile, 0 where it only pads the tile count (its rows are never read)."""
-    lin = (lambda x, w: intdot.linear(x, w, live)) if live is not None else (lambda x, w: linear(x, w, affine=affine))
+    lin = lambda x, w: intdot.linear(x, w, live) if live is not None and intdot.applies(x, w) else linear(x, w, affine=affine)
     if self.ffn_gate_up_exps is not None:
       gu = lin(h, self.ffn_gate_up_exps.weight[idx])
       F = gu.shape[-1] // 2
