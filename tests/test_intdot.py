@@ -4,7 +4,8 @@ The reference is numpy, independent of the kernel: x rounded to Q8_0 as ggml's q
 ties-to-even, the scale an fp16), the weight's integers read from the block bytes, and llama.cpp's per-block sum
 `fp16(d_w) * fp16(d_x) * sum_i w_i x_i` with exact integer inner sums. Only the order of the float sums over blocks
 differs (8 lanes, then llama.cpp's horizontal sum, against numpy's), hence a relative tolerance of 1e-6 of the largest
-output: a wrong block, nibble half, scale or row offset moves outputs by whole percents."""
+output: a wrong block, nibble half, scale or row offset moves outputs by whole percents. Q4_0's repacked form, whose
+float sums are sequential per output, is held to a numpy model of that order bit for bit."""
 import numpy as np
 import pytest
 from tinygrad import Tensor
@@ -74,6 +75,39 @@ def test_gathered(fmt, x_lead):
   w = QTensor(Tensor(raw).realize(), QT[fmt], (8, 64, 256))
   with settings.override(numerics="llama.cpp"): y = linear(Tensor(x), w[Tensor(ids)]).numpy()
   _check(y, _reference(x, raw[ids], fmt))
+
+def _repacked_q4_0(x: np.ndarray, raw: np.ndarray) -> np.ndarray:
+  """ggml's repacked Q4_0 (llama.cpp's arithmetic on an x86 CPU with AVX2 when the row count is a multiple of 8), in
+  numpy: per output, acc = fma(float(block dot), fp16(d_w) * fp16(d_x), acc) over the blocks in order from 0. The scale
+  product of two fp16 values is exact in float32 and the block dot times it exact in float64, so float64's sum rounded
+  to float32 is the fma (a double rounding could differ only on an exact float32 tie)."""
+  wq, wd, _ = _weight_ints(raw, "Q4_0")
+  xq, xd, _ = _x_ints(x)
+  dots = np.einsum("...rbi,...obi->...rob", xq, wq)
+  scale = (xd[..., :, None, :].astype(np.float32) * wd[..., None, :, :].astype(np.float32)).astype(np.float64)
+  acc = np.zeros(dots.shape[:-1], np.float32)
+  for b in range(dots.shape[-1]): acc = (dots[..., b] * scale[..., b] + acc).astype(np.float32)
+  return acc
+
+@pytest.mark.parametrize("rows", [1, 3, 32])
+def test_q4_0_is_ggml_repacked_bit_for_bit(rows, monkeypatch):
+  """Q4_0 with a row count that is a multiple of 8: exactly llama.cpp's repacked GEMV/GEMM arithmetic, bit for bit, for
+  a GEMV, a batched step and a prefill chunk's tiles, dense and gathered; a row count that is not a multiple of 8 (as
+  in ggml, which repacks only those) keeps the 8-lane form within the reference's tolerance."""
+  monkeypatch.setattr(intdot, "GEMM_MIN_FLOAT_BYTES", 0)
+  rng = np.random.default_rng(10)
+  raw, x = _blocks(rng, "Q4_0", 64, 512), (rng.standard_normal((rows, 1, 512)) * 3).astype(np.float32)
+  w = QTensor(Tensor(raw).realize(), QT["Q4_0"], (64, 512))
+  graw, ids = _blocks(rng, "Q4_0", 6, 40, 256), np.array([[5, 0, 5]], np.int32)
+  gx = rng.standard_normal((1, 3, min(rows, 8), 256)).astype(np.float32)
+  gw = QTensor(Tensor(graw).realize(), QT["Q4_0"], (6, 40, 256))
+  odd = QTensor(Tensor(raw[:60]).realize(), QT["Q4_0"], (60, 512))
+  with settings.override(numerics="llama.cpp"):
+    assert np.array_equal(linear(Tensor(x), w).numpy(), _repacked_q4_0(x, raw))
+    assert np.array_equal(linear(Tensor(gx), gw[Tensor(ids)]).numpy(), _repacked_q4_0(gx, graw[ids]))
+    y = linear(Tensor(x[:8]), odd).numpy()
+  _check(y, _reference(x[:8], raw[:60], "Q4_0"))
+  assert not np.array_equal(y, _repacked_q4_0(x[:8], raw[:60]))
 
 @pytest.mark.parametrize("rows", [4, 24])
 def test_rows_equal_alone(rows, monkeypatch):

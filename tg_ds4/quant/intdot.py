@@ -1,7 +1,9 @@
 """Q4_0, Q4_1 and Q8_0 GEMVs as llama.cpp computes them on an AVX2 CPU: x rounded to Q8_0 (int8 per block of 32 with
 an fp16 scale, quant/activations.py's _q8_0; Q8_1 for Q4_1, with each block's sum), each weight block's integer dot
-product with it taken by `vpmaddubsw`/`vpmaddwd`, scaled by the two block scales into eight float lanes, the lanes
-summed at the end. x is rounded by a kernel of its own (`_quantize`), once for all GEMVs that read it.
+product with it taken by `vpmaddubsw`/`vpmaddwd` and scaled by the two block scales. Q4_1 and Q8_0 (ggml's vec_dot)
+keep eight float lanes per output, summed at the end; Q4_0 with a row count that is a multiple of 8 is ggml's repacked
+form (`_source_q4_0x8`), which llama.cpp loads such a matrix into on these CPUs: one float accumulator per output, eight
+outputs per vector. x is rounded by a kernel of its own (`_quantize`), once for all GEMVs that read it.
 
 Only where quant/activations.py rounds the input ("auto" or "llama.cpp" numerics): this is llama.cpp's arithmetic, not
 the exact float GEMV (quant/formats.py's linear), which is also slower on rounded x (its per-value int-to-float
@@ -16,6 +18,7 @@ Used where the device's capabilities list the format (backend.Capabilities.int_d
 internals as backend/compat.py expects, an x86 CPU with AVX2 and F16C, `TG_DS4_INT_DOT` not 0)."""
 from __future__ import annotations
 
+import functools
 
 from tinygrad import Device, Tensor, dtypes
 
@@ -113,6 +116,78 @@ def _source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered:
   }}
 }});"""
 
+# ggml's repacked Q4_0 (repack.cpp's q4_0_8x8_q8_0), which llama.cpp runs on every x86 CPU with AVX2 for a Q4_0 matrix
+# whose row count is a multiple of 8: eight output rows per statement (`@R@`: the group of 8 over matrix x output row),
+# each block's integer dot taken whole per output, and one float accumulator per output, fma(float(dot), d_w * d_x, acc)
+# over the blocks in order. GEMV and GEMM tiles compute the same sums, so a row's result does not depend on the rows
+# beside it. Each block's 8 rows are unpacked to unsigned nibbles once per tile and transposed (lane i of vector j: row
+# i's bytes 4j..4j+3), so one `vpdpbusd` with x's dword j broadcast serves 8 outputs; the nibbles' -8 enters as
+# -8 * (x's block sum), the accumulator's start (`@XI@`, from _quantize).
+def _transpose8(names: list[str], out: list[str]) -> str:
+  """C statements: the 8x8 int32 transpose of v8i `names` into new v8i `out` (unpack 32, unpack 64, then 128-bit halves)."""
+  a, lines = names, []
+  lo, hi = "0,8,1,9,4,12,5,13", "2,10,3,11,6,14,7,15"
+  t = [f"t{i}_" for i in range(8)]
+  for k in range(4): lines += [f"const v8i {t[2*k]} = __builtin_shufflevector({a[2*k]}, {a[2*k+1]}, {lo});",
+                               f"const v8i {t[2*k+1]} = __builtin_shufflevector({a[2*k]}, {a[2*k+1]}, {hi});"]
+  lo64, hi64 = "0,1,8,9,4,5,12,13", "2,3,10,11,6,7,14,15"
+  u = [f"u{i}_" for i in range(8)]
+  for k, (p, q) in enumerate(((0, 2), (1, 3), (4, 6), (5, 7))):
+    lines += [f"const v8i {u[2*k]} = __builtin_shufflevector({t[p]}, {t[q]}, {lo64});",
+              f"const v8i {u[2*k+1]} = __builtin_shufflevector({t[p]}, {t[q]}, {hi64});"]
+  # u0: rows 0-3 dwords (0,4); u1: (1,5); u2: (2,6); u3: (3,7); u4..u7 the same for rows 4-7
+  for j, (p, q) in enumerate(((0, 4), (1, 5), (2, 6), (3, 7))):
+    lines += [f"const v8i {out[j]} = __builtin_shufflevector({u[p]}, {u[q]}, 0,1,2,3,8,9,10,11);",
+              f"const v8i {out[j+4]} = __builtin_shufflevector({u[p]}, {u[q]}, 4,5,6,7,12,13,14,15);"]
+  return "\n      ".join(lines)
+
+def _source_q4_0x8(nb: int, out: int, rows: int, matrix_bytes: int, gathered: bool, x_per_matrix: bool, tiles: int = 1,
+                   vnni: bool = False, live: bool = False) -> str:
+  """The statement for one group of 8 output rows (see above); the other arguments as `_source`'s."""
+  row_bytes, total = nb * 18, rows * tiles
+  mat = ("((const int *)@IDX@)[@R@ * 8 / %d]" if gathered else "@R@ * 8 / %d") % out
+  xrow = "(@R@ * 8 / %d) * %d" % (out, total) if x_per_matrix else "0"
+  unpack = "\n      ".join(
+    f"v16u r{i}_; __builtin_memcpy(&r{i}_, w_ + {i * row_bytes}L + b_ * 18 + 2, 16); "
+    f"const v8i c{i}_ = (v8i)__builtin_shufflevector(r{i}_ & (unsigned char)15, r{i}_ >> 4, {','.join(map(str, range(32)))}); "
+    f"__builtin_memcpy(&hs_[{i}], w_ + {i * row_bytes}L + b_ * 18, 2);" for i in range(8))
+  T = [f"T{j}_" for j in range(8)]
+  step = ("s_ = __builtin_ia32_vpdpbusd256(s_, {T}, xb_);" if vnni else
+          "s_ = s_ + __builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256((v32c){T}, (v32c)xb_), one_);")
+  splat = lambda v, t="v8i": "(%s){" % t + ",".join([v] * 8) + "}"
+  dots = "\n        ".join(f"{{ const v8i xb_ = {splat(f'xq_[{j}]')}; {step.format(T=T[j])} }}" for j in range(8))
+  return f"""({{ typedef signed char v32c __attribute__((vector_size(32))); typedef unsigned char v16u __attribute__((vector_size(16)));
+  typedef short v16s __attribute__((vector_size(32))); typedef int v8i __attribute__((vector_size(32)));
+  typedef float v8f __attribute__((vector_size(32))); typedef __fp16 v8h __attribute__((vector_size(16)));
+  const int o_ = (@R@ * 8) % {out};
+  const unsigned char *w_ = (const unsigned char *)@W@ + (long)({mat}) * {matrix_bytes}L + (long)o_ * {row_bytes};
+  const v16s one_ = {{1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1}};
+  const int live_ = {"((const int *)@LIVE@)[@R@ * 8 / %d]" % out if live else "1"};
+  for (int t_ = 0; t_ < {tiles}; t_++) {{
+    const int xr_ = {xrow} + t_ * {rows};
+    v8f acc_[{rows}];
+    for (int r_ = 0; r_ < {rows}; r_++) acc_[r_] = (v8f){{0,0,0,0,0,0,0,0}};
+    for (int b_ = 0; b_ < (live_ ? {nb} : 0); b_++) {{
+      unsigned short hs_[8]; v8h h_;
+      {unpack}
+      __builtin_memcpy(&h_, hs_, 16);
+      {_transpose8([f"c{i}_" for i in range(8)], T)}
+      const v8f dw_ = __builtin_convertvector(h_, v8f);
+      for (int r_ = 0; r_ < {rows}; r_++) {{
+        const long xb_i_ = (long)(xr_ + r_) * {nb} + b_;
+        const int *xq_ = (const int *)((const signed char *)@XQ@ + xb_i_ * 32);
+        const int x8_ = ((const int *)@XI@)[xb_i_];
+        v8i s_ = {splat("x8_")};
+        {dots}
+        const float dx_ = ((const float *)@XD@)[xb_i_];
+        acc_[r_] = __builtin_ia32_vfmaddps256(__builtin_convertvector(s_, v8f), dw_ * {splat("dx_", "v8f")}, acc_[r_]);
+      }}
+    }}
+    for (int r_ = 0; r_ < {rows}; r_++)
+      __builtin_memcpy((float *)@OUT@ + (long)(@R@ * 8 / {out}) * {out * total} + (long)(t_ * {rows} + r_) * {out} + o_, &acc_[r_], 32);
+  }}
+}});"""
+
 def _format_string(src: str, names: list[str]) -> str:
   """C source -> an Ops.CUSTOM format string: braces escaped, `@NAME@` -> `{i}` (the i-th source)."""
   s = src.replace("{", "{{").replace("}", "}}").replace("@R@", "(@R@)")
@@ -150,14 +225,17 @@ def _kernel(body: str, params: tuple[UOp, ...], written: dict[int, UOp], r: UOp,
   stmt = UOp(Ops.CUSTOM, dtypes.void, src=(*params, r, *reads, *first), arg=body)
   return stmt.end(*ranges).sink(arg=info).rtag(1)
 
-def _quantize(x: Tensor, sums: bool) -> tuple[Tensor, ...]:
-  """x `[..., in]` -> (int8 `[..., in/32, 32]`, float32 scales `[..., in/32]`, with `sums` Q8_1's block sums `[..., in/32]`),
-  one kernel (actquant's rounding as lazy tensor ops is three: the block maxima, the values, the scales)."""
+def _quantize(x: Tensor, sums: bool, minus8: bool = False) -> tuple[Tensor, ...]:
+  """x `[..., in]` -> (int8 `[..., in/32, 32]`, float32 scales `[..., in/32]`, with `sums` Q8_1's block sums `[..., in/32]`,
+  with `minus8` -8 times each block's integer sum, int32 `[..., in/32]`: the start of _source_q4_0x8's block dots), one
+  kernel (actquant's rounding as lazy tensor ops is three: the block maxima, the values, the scales)."""
   blocks, nb = prod(x.shape) // 32, x.shape[-1] // 32
   srcs = {"XQ": Tensor.empty(blocks * 32, dtype=dtypes.int8, device=x.device), "XD": Tensor.empty(blocks, dtype=dtypes.float32, device=x.device)}
   if sums: srcs["XS"] = Tensor.empty(blocks, dtype=dtypes.float32, device=x.device)
+  if minus8: srcs["XI"] = Tensor.empty(blocks, dtype=dtypes.int32, device=x.device)
   srcs["X"] = x.float().contiguous().flatten()
-  src = _QUANTIZE.replace("@SUM@", "((float *)@XS@)[@R@] = (float)(__fp16)(amax_ / 127.0f * (float)sum_);" if sums else "")
+  src = _QUANTIZE.replace("@SUM@", ("((float *)@XS@)[@R@] = (float)(__fp16)(amax_ / 127.0f * (float)sum_);" if sums else "") +
+                                   ("((int *)@XI@)[@R@] = -8 * sum_;" if minus8 else ""))
   body = _format_string(src, [*srcs, "R"])
   def kernel(*params: UOp) -> UOp:
     r = UOp.range(blocks, 0)
@@ -180,9 +258,10 @@ def linear(x: Tensor, w, live: Tensor | None = None) -> Tensor:
   shape = (*x.shape[:-1], out)
   if not lead: x = x.reshape(-1, k)                                           # [R, in]
   R = x.shape[-2]
-  xq, *xs = _quantize(x, fmt == "Q4_1")                                      # [..., R, nb, 32] int8; [..., R, nb] float32 scales (, sums)
+  x8 = fmt == "Q4_0" and out % 8 == 0                                      # ggml's repacked Q4_0 (_source_q4_0x8)
+  xq, *xs = _quantize(x, fmt == "Q4_1", x8)                                  # [..., R, nb, 32] int8; [..., R, nb] scales (, sums)
   x_per_matrix = x.ndim > 2 and prod(x.shape[:-2]) > 1
-  if x_per_matrix:
+  if x_per_matrix and tuple(x.shape[:-2]) != tuple(lead):                  # x broadcast over the matrices: copied out
     pad = (1,) * (len(lead) + 2 - x.ndim)
     xq = xq.reshape(*pad, *xq.shape).expand(*lead, R, nb, 32).contiguous()
     xs = [t.reshape(*pad, *t.shape).expand(*lead, R, nb).contiguous() for t in xs]
@@ -190,24 +269,27 @@ def linear(x: Tensor, w, live: Tensor | None = None) -> Tensor:
   base, idx = w._src
   gathered = bool(idx)
   srcs = {"OUT": Tensor.empty(L * R * out, dtype=dtypes.float32, device=w.device), "W": base.flatten(), "XQ": xq.flatten(), "XD": xs[0].flatten()}
-  if len(xs) > 1: srcs["XS"] = xs[1].flatten()
+  if len(xs) > 1: srcs["XI" if x8 else "XS"] = xs[1].flatten()
   if gathered: srcs["IDX"] = idx[0].cast(dtypes.int32).contiguous().flatten()
   if live is not None: srcs["LIVE"] = live.cast(dtypes.int32).contiguous().flatten()
   names = [*srcs, "R"]
   matrix_bytes = out * nb * FORMATS[fmt]
   rows, tiles = (R, 1) if R <= MAX_ROWS else (MAX_ROWS, R // MAX_ROWS)    # a chunk: tiles of MAX_ROWS rows
   vnni = settings.current(str(w.device)).caps.int_dot_vnni
-  body = _format_string(_source(fmt, nb, out, rows, matrix_bytes, gathered, x_per_matrix, tiles, vnni, live is not None), names)
-  threads = _threads(str(w.device), L * out)
+  source = _source_q4_0x8 if x8 else functools.partial(_source, fmt)
+  body = _format_string(source(nb, out, rows, matrix_bytes, gathered, x_per_matrix, tiles, vnni, live is not None), names)
+  per = 8 if x8 else 1                                                       # output rows per statement
+  n = L * out // per
+  threads = _threads(str(w.device), n)
   def kernel(*params: UOp) -> UOp:
     # the rows split over the threads by hand (a THREAD range outermost): tinygrad's opts pass would rebuild the
     # kernel's info without the estimates below, and it has nothing else to do here
-    t, i = UOp.range(threads, 0, AxisType.THREAD), UOp.range(L * out // threads, 1)
-    r = t * (L * out // threads) + i
+    t, i = UOp.range(threads, 0, AxisType.THREAD), UOp.range(n // threads, 1)
+    r = t * (n // threads) + i
     # what tinygrad cannot count in a C statement: the weight rows read once, x's int8 blocks and scales, the outputs
     est = Estimates(ops=2 * L * R * out * k, lds=L * out * (tiles * nb * FORMATS[fmt] + R * nb * 36) + 4 * L * R * out,
                     mem=L * out * nb * FORMATS[fmt] + xq_rows * nb * 36 + 4 * L * R * out)
     info = KernelInfo(name=f"{fmt.lower()}_intdot_{L}_{R}_{out}_{k}", estimates=est)
-    return _kernel(body, params, {0: r // out * (out * R) + r % out}, r, (i, t), info)
+    return _kernel(body, params, {0: (r * per) // out * (out * R) + (r * per) % out}, r, (i, t), info)
   y = Tensor.custom_kernel(*srcs.values(), fxn=kernel)[0]
   return y.reshape(*lead, R, out) if lead else y.reshape(shape)
