@@ -14,8 +14,19 @@ def test_bench_report_fields():
   assert t["kernels_per_step"] >= 3 * 16 and t["bytes_per_step"] > 0  # 3 blocks of >= 16 kernels each
   assert 0 < t["bandwidth_fraction"] < 1 and r["read_gbps"] > 0
   assert r["threads"] == engine_threads()  # the roofline is read with the engine's threads
+  assert r["model_bytes"] == path.stat().st_size and t["peak_rss"] >= 1 << 20
   text = bench.format_text(r)
-  assert "kernels/step" in text and "GB/s" in text
+  assert "kernels/step" in text and "GB/s" in text and "peak RSS" in text
+
+def test_llama_cpp_build_flags_per_cpu_kind():
+  """The CMake options bench names for building llama.cpp: this CPU's vector extensions, never GGML_NATIVE, AMX off
+  (0.3.36's native build aborts on MoE files on AMX CPUs): an AVX2 AMD EPYC and an AVX-512 Xeon with VNNI and AMX."""
+  epyc = "fpu sse sse2 avx f16c fma bmi2 avx2 sha_ni"
+  xeon = epyc + " avx512f avx512dq avx512vbmi avx512_vnni avx512_bf16 avx_vnni amx_tile amx_int8 amx_bf16"
+  a, x = (set(bench.llama_cpp_cmake_args(f).split()) for f in (epyc, xeon))
+  assert {"-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AMX_INT8=OFF"} <= a
+  assert {"-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON",
+          "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"} <= x
 
 def test_bench_parallel_report_fields():
   """--parallel: aggregate and per-stream decode from steps where every stream produced a token, and time to first

@@ -172,8 +172,10 @@ def cmd_chat(args) -> int:
 def cmd_bench(args) -> int:
   from tg_ds4.tools import bench
   if args.vs_llama_cpp:
-    try: import llama_cpp  # noqa: F401
-    except ImportError: raise UsageError("--vs-llama-cpp needs llama-cpp-python (pip install llama-cpp-python==0.3.36)") from None
+    import importlib.util  # found, not imported: llama.cpp runs in a process of its own (tools/bench.py)
+    if importlib.util.find_spec("llama_cpp") is None:
+      raise UsageError(f"--vs-llama-cpp needs llama-cpp-python: CMAKE_ARGS=\"{bench.llama_cpp_cmake_args(bench.cpu_flags())}\" "
+                       "pip install llama-cpp-python==0.3.36")
   if args.prompt_tokens < 1 or args.gen < 2 or args.repeat < 1: raise UsageError("--prompt-tokens >= 1, --gen >= 2 and --repeat >= 1")
   if not 1 <= args.parallel <= 8: raise UsageError("--parallel must be in [1, 8]")
   try: r = bench.run(args.model, args.prompt_tokens, args.gen, args.repeat, args.vs_llama_cpp, args.quantize, args.parallel,

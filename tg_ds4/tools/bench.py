@@ -1,9 +1,11 @@
 """`tg_ds4 bench`: prefill and decode speed, kernels and bytes per decode step, effective bandwidth against what this
-machine can stream, and (with --vs-llama-cpp) llama.cpp on the same file, thread count and tokens in the same process.
-Warm-up (kernel compilation, JIT capture) is excluded; every number is a median over steps or repeats."""
+machine can stream, peak resident memory against the file's size, and (with --vs-llama-cpp) llama.cpp on the same file,
+thread count and tokens, in a process of its own: its memory is then its own (a repacked copy of the weights, besides the
+mapped file), and a llama.cpp build that aborts on the file ends that process, not the benchmark. Warm-up (kernel
+compilation, JIT capture) is excluded; every number is a median over steps or repeats."""
 from __future__ import annotations
 
-import json, os, statistics, threading, time
+import json, multiprocessing, os, pathlib, resource, signal, statistics, threading, time
 
 import numpy as np
 from tinygrad import Device, GlobalCounters
@@ -158,6 +160,57 @@ def bench_llama_cpp_parallel(path, prompt: list[int], gen: int, repeat: int, thr
   step = statistics.median(steps)
   return {"parallel": n, "aggregate_decode_tps": n / step, "ms_per_step": 1000 * step}
 
+def peak_rss() -> int:
+  """This process's peak resident set in bytes (Linux counts kB), the pages of mapped files it touched included."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+def model_bytes(path) -> int:
+  """The size of a model on disk: a GGUF file, or a checkpoint folder's weight files."""
+  p = pathlib.Path(path)
+  return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.iterdir() if f.suffix in (".safetensors", ".gguf"))
+
+# llama.cpp's CMake options for an x86 CPU's flags (/proc/cpuinfo names), never GGML_NATIVE: llama-cpp-python 0.3.36
+# built natively on a CPU with AMX aborts on MoE files (GGML_ASSERT(*cur_backend_id != -1), from its AMX buffer type)
+_GGML_X86 = (("avx", "AVX"), ("avx2", "AVX2"), ("fma", "FMA"), ("f16c", "F16C"), ("bmi2", "BMI2"), ("avx512f", "AVX512"),
+             ("avx512vbmi", "AVX512_VBMI"), ("avx512_vnni", "AVX512_VNNI"), ("avx512_bf16", "AVX512_BF16"), ("avx_vnni", "AVX_VNNI"))
+
+def llama_cpp_cmake_args(cpu_flags: str) -> str:
+  """CMAKE_ARGS that build llama-cpp-python for this x86 CPU with its vector extensions and without AMX."""
+  flags = set(cpu_flags.split())
+  on = [f"-DGGML_{name}={'ON' if flag in flags else 'OFF'}" for flag, name in _GGML_X86]
+  return " ".join(["-DGGML_NATIVE=OFF", *on, "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"])
+
+def _llama_cpp_child(conn, path: str, prompt: list[int], gen: int, repeat: int, threads: int, parallel: int) -> None:
+  """bench_llama_cpp (and its batched side) in a process of its own; sends the results, the build and the peak RSS."""
+  import llama_cpp
+  res = bench_llama_cpp(path, prompt, gen, repeat, threads)
+  if parallel > 1: res["parallel"] = bench_llama_cpp_parallel(path, prompt, gen, repeat, threads, parallel)
+  info = llama_cpp.llama_print_system_info().decode()
+  res["build"] = {"version": llama_cpp.__version__, "features": [f.split("=")[0].split(":")[-1].strip() for f in info.split("|") if f.strip().endswith("= 1")]}
+  res["peak_rss"] = peak_rss()
+  conn.send(res)
+
+def run_llama_cpp(path, prompt: list[int], gen: int, repeat: int, threads: int, parallel: int = 1) -> dict:
+  """llama.cpp's side of the benchmark in a child process (see the module's docstring)."""
+  mp = multiprocessing.get_context("spawn")
+  recv, send = mp.Pipe(duplex=False)
+  child = mp.Process(target=_llama_cpp_child, args=(send, str(path), prompt, gen, repeat, threads, parallel))
+  child.start(); send.close()
+  try: res = recv.recv()
+  except EOFError: res = None
+  child.join()
+  if res is None or child.exitcode:
+    code = child.exitcode or 0
+    why = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+    hint = (f"; a llama-cpp-python built with AMX aborts on MoE files: rebuild it with CMAKE_ARGS=\"{llama_cpp_cmake_args(cpu_flags())}\""
+            if code == -signal.SIGABRT else "")
+    raise BenchError(f"{path}: llama.cpp {why}{hint}")
+  return res
+
+def cpu_flags() -> str:
+  try: return next((ln.split(":", 1)[1] for ln in pathlib.Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+  except OSError: return ""
+
 NUMERICS_TEXT = {"auto": "llama.cpp's 8-bit inputs and integer dots for Q4_0/Q4_1/Q8_0 weights, exact float elsewhere",
                  "exact": "exact float matmuls", "llama.cpp": "llama.cpp's 8-bit matmul inputs"}
 
@@ -179,18 +232,19 @@ def run(model: str, prompt_tokens: int = 128, gen: int = 64, repeat: int = 3, vs
   # the batched run first: a model without slots fails at once
   if parallel > 1: res["parallel"] = bench_parallel(gf, prompt, gen, repeat, parallel, numerics)
   res["tg_ds4"] = bench_tg(gf, prompt, gen, repeat, numerics)
+  res["tg_ds4"]["peak_rss"], res["model_bytes"] = peak_rss(), model_bytes(path)
   res["device"] = Device.DEFAULT
   if parallel > 1: res["parallel"]["vs_one_stream"] = res["parallel"]["aggregate_decode_tps"] / res["tg_ds4"]["decode_tps"]
   if on_cpu(None):  # the host's streaming read is the CPU's roofline; a GPU's memory is another
     res["read_gbps"] = read_bandwidth(res["threads"])
     res["tg_ds4"]["bandwidth_fraction"] = res["tg_ds4"]["gbps"] / res["read_gbps"]
   if vs_llama_cpp:
-    res["llama_cpp"] = bench_llama_cpp(path, prompt, gen, repeat, threads=res["threads"])  # the same threads
+    res["llama_cpp"] = run_llama_cpp(path, prompt, gen, repeat, res["threads"], parallel)  # the same threads
     res["ratio"] = {k: res["tg_ds4"][k] / res["llama_cpp"][k] for k in ("prefill_tps", "decode_tps")}
     # llama.cpp reads the same weights per token; its GB/s is estimated from tg_ds4's measured bytes per step
     res["llama_cpp"]["gbps_est"] = res["tg_ds4"]["bytes_per_step"] * res["llama_cpp"]["decode_tps"] / 1e9
     if parallel > 1:
-      lp = res["llama_cpp"]["parallel"] = bench_llama_cpp_parallel(path, prompt, gen, repeat, res["threads"], parallel)
+      lp = res["llama_cpp"]["parallel"]
       lp["vs_one_stream"] = lp["aggregate_decode_tps"] / res["llama_cpp"]["decode_tps"]
   return res
 
@@ -202,7 +256,9 @@ def format_text(r: dict) -> str:
            f"  tg_ds4     prefill {t['prefill_tps']:8.1f} tok/s   decode {t['decode_tps']:7.2f} tok/s ({t['ms_per_token']:.1f} ms/token)",
            f"             {t['kernels_per_step']} kernels/step, {t['bytes_per_step'] / 1e6:.1f} MB/step, {t['gbps']:.2f} GB/s "
            + (f"= {100 * t['bandwidth_fraction']:.1f}% of this machine's {r['read_gbps']:.1f} GB/s streaming read on {r['threads']} threads"
-              if "read_gbps" in r else f"on {r.get('device', '?')} (launches counted as tinygrad replays them: a GPU graph is one)")]
+              if "read_gbps" in r else f"on {r.get('device', '?')} (launches counted as tinygrad replays them: a GPU graph is one)"),
+           f"             peak RSS {t['peak_rss'] / 1e9:.2f} GB = {t['peak_rss'] / r['model_bytes']:.2f}x the {r['model_bytes'] / 1e9:.2f} GB "
+           "model (its mapped pages that were touched included)"]
   if "parallel" in r:
     p = r["parallel"]
     lines += [f"  {p['parallel']} streams  decode {p['aggregate_decode_tps']:7.2f} tok/s together ({p['vs_one_stream']:.2f}x one stream), "
@@ -215,6 +271,8 @@ def format_text(r: dict) -> str:
     lines += [f"  llama.cpp  prefill {lc['prefill_tps']:8.1f} tok/s   decode {lc['decode_tps']:7.2f} tok/s ({lc['ms_per_token']:.1f} ms/token), "
               f"~{lc['gbps_est']:.2f} GB/s at the same bytes per token"
               + (f" ({100 * lc['gbps_est'] / r['read_gbps']:.1f}%)" if "read_gbps" in r else ""),
+              f"             llama-cpp-python {lc['build']['version']} built for {' '.join(lc['build']['features'])}; peak RSS "
+              f"{lc['peak_rss'] / 1e9:.2f} GB = {lc['peak_rss'] / r['model_bytes']:.2f}x the model, in its own process",
               f"  tg_ds4 / llama.cpp: prefill {r['ratio']['prefill_tps']:.3f}x, decode {r['ratio']['decode_tps']:.3f}x"]
     if "parallel" in lc:
       lp = lc["parallel"]
