@@ -1,8 +1,9 @@
 """`tg_ds4 bench`: prefill and decode speed, kernels and bytes per decode step, effective bandwidth against what this
 machine can stream, peak resident memory against the file's size, and (with --vs-llama-cpp) llama.cpp on the same file,
 thread count and tokens, in a process of its own: its memory is then its own (a repacked copy of the weights, besides the
-mapped file), and a llama.cpp build that aborts on the file ends that process, not the benchmark. Warm-up (kernel
-compilation, JIT capture) is excluded; every number is a median over steps or repeats."""
+mapped file), and a llama.cpp build that aborts on the file ends that process, not the benchmark. The two engines'
+repeats alternate, so a machine whose speed drifts moves both sides of a ratio alike. Warm-up (kernel compilation, JIT
+capture) is excluded; every number is a median over steps or repeats."""
 from __future__ import annotations
 
 import json, multiprocessing, os, pathlib, resource, signal, statistics, threading, time
@@ -52,24 +53,30 @@ def _prompt(tok: Tokenizer, n: int) -> list[int]:
   if len(ids) < n: raise ValueError(f"could not build a {n}-token prompt")
   return ids
 
-def bench_tg(path, prompt: list[int], gen: int, repeat: int, numerics: str = settings.DEFAULT_NUMERICS) -> dict:
-  runner = Runner.load(path, max_ctx=len(prompt) + gen + 8, numerics=numerics)
-  for _ in range(2): list(runner.generate(prompt, 4))  # compile + capture both JITs
-  prefill, steps = [], []
-  for _ in range(repeat):
+class TgSide:
+  """tg_ds4's side of the benchmark: loaded and warmed up (kernels compiled, both JITs captured) at construction; `once`
+  runs one repeat (a prefill of the prompt, then `gen` tokens), `result` gives the medians and one decode step's counters."""
+  def __init__(self, path, prompt: list[int], gen: int, numerics: str = settings.DEFAULT_NUMERICS):
+    self.prompt, self.gen, self.prefill, self.steps = prompt, gen, [], []
+    self.runner = Runner.load(path, max_ctx=len(prompt) + gen + 8, numerics=numerics)
+    for _ in range(2): list(self.runner.generate(prompt, 4))  # compile + capture both JITs
+
+  def once(self) -> None:
     t, last = [], None
-    for _ in runner.generate(prompt, gen):
+    for _ in self.runner.generate(self.prompt, self.gen):
       now = time.perf_counter()
       if last is not None: t.append(now - last)
       last = now
-    prefill.append(runner.stats.prefill_tps); steps += t
-  # one more decode step with the counters on: what a replayed step launches and moves
-  GlobalCounters.reset()
-  runner.next_token(prompt[-1], len(prompt)).item()
-  step = statistics.median(steps)
-  return {"prefill_tps": statistics.median(prefill), "decode_tps": 1 / step, "ms_per_token": 1000 * step,
-          "kernels_per_step": GlobalCounters.kernel_count, "bytes_per_step": GlobalCounters.global_mem,
-          "gbps": GlobalCounters.global_mem / step / 1e9}
+    self.prefill.append(self.runner.stats.prefill_tps); self.steps += t
+
+  def result(self) -> dict:
+    # one more decode step with the counters on: what a replayed step launches and moves
+    GlobalCounters.reset()
+    self.runner.next_token(self.prompt[-1], len(self.prompt)).item()
+    step = statistics.median(self.steps)
+    return {"prefill_tps": statistics.median(self.prefill), "decode_tps": 1 / step, "ms_per_token": 1000 * step,
+            "kernels_per_step": GlobalCounters.kernel_count, "bytes_per_step": GlobalCounters.global_mem,
+            "gbps": GlobalCounters.global_mem / step / 1e9, "peak_rss": peak_rss()}
 
 def bench_parallel(path, prompt: list[int], gen: int, repeat: int, n: int, numerics: str = settings.DEFAULT_NUMERICS) -> dict:
   """n requests at once through batch.Batcher (each its own rotation of the prompt, so no slot reuses another's
@@ -112,18 +119,24 @@ def bench_parallel(path, prompt: list[int], gen: int, repeat: int, n: int, numer
   return {"parallel": n, "aggregate_decode_tps": n / step, "per_stream_decode_tps": 1 / step, "ms_per_step": 1000 * step,
           "kernels_per_step": kernels, "bytes_per_step": nbytes, "ttft_idle_s": idle, "ttft_loaded_s": loaded}
 
-def bench_llama_cpp(path, prompt: list[int], gen: int, repeat: int, threads: int) -> dict:
-  from llama_cpp import Llama
-  llm = Llama(str(path), n_ctx=len(prompt) + gen + 8, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
-  prefill, steps = [], []
-  for r in range(repeat + 1):
-    llm.reset(); t0 = time.perf_counter(); llm.eval(prompt); t1 = time.perf_counter()
-    t = []
-    for _ in range(gen - 1):
-      s = time.perf_counter(); llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))]); t.append(time.perf_counter() - s)
-    if r: prefill.append(len(prompt) / (t1 - t0)); steps += t  # run 0 is warm-up
-  step = statistics.median(steps)
-  return {"prefill_tps": statistics.median(prefill), "decode_tps": 1 / step, "ms_per_token": 1000 * step}
+class LlamaSide:
+  """llama.cpp's side, as TgSide's: the same prompt tokens, threads and context; the first repeat is its warm-up."""
+  def __init__(self, path, prompt: list[int], gen: int, threads: int):
+    from llama_cpp import Llama
+    self.prompt, self.gen, self.prefill, self.steps = prompt, gen, [], []
+    self.llm = Llama(str(path), n_ctx=len(prompt) + gen + 8, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
+    self.once(); self.prefill, self.steps = [], []
+
+  def once(self) -> None:
+    llm = self.llm
+    llm.reset(); t0 = time.perf_counter(); llm.eval(self.prompt); t1 = time.perf_counter()
+    for _ in range(self.gen - 1):
+      s = time.perf_counter(); llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))]); self.steps.append(time.perf_counter() - s)
+    self.prefill.append(len(self.prompt) / (t1 - t0))
+
+  def result(self) -> dict:
+    step = statistics.median(self.steps)
+    return {"prefill_tps": statistics.median(self.prefill), "decode_tps": 1 / step, "ms_per_token": 1000 * step}
 
 def bench_llama_cpp_parallel(path, prompt: list[int], gen: int, repeat: int, threads: int, n: int) -> dict:
   """llama.cpp's own batched decode, for bench_parallel's side: n sequences (the same prompt rotations), each prefilled
@@ -161,8 +174,10 @@ def bench_llama_cpp_parallel(path, prompt: list[int], gen: int, repeat: int, thr
   return {"parallel": n, "aggregate_decode_tps": n / step, "ms_per_step": 1000 * step}
 
 def peak_rss() -> int:
-  """This process's peak resident set in bytes (Linux counts kB), the pages of mapped files it touched included."""
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  """This process's peak resident set in bytes, the pages of mapped files it touched included: Linux's VmHWM, which
+  starts anew at exec (getrusage's maximum carries the RSS a spawned child had when forked from its parent)."""
+  try: return next(int(ln.split()[1]) for ln in pathlib.Path("/proc/self/status").read_text().splitlines() if ln.startswith("VmHWM:")) * 1024
+  except (OSError, StopIteration): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
 
 def model_bytes(path) -> int:
   """The size of a model on disk: a GGUF file, or a checkpoint folder's weight files."""
@@ -180,32 +195,49 @@ def llama_cpp_cmake_args(cpu_flags: str) -> str:
   on = [f"-DGGML_{name}={'ON' if flag in flags else 'OFF'}" for flag, name in _GGML_X86]
   return " ".join(["-DGGML_NATIVE=OFF", *on, "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"])
 
-def _llama_cpp_child(conn, path: str, prompt: list[int], gen: int, repeat: int, threads: int, parallel: int) -> None:
-  """bench_llama_cpp (and its batched side) in a process of its own; sends the results, the build and the peak RSS."""
+def _llama_cpp_child(conn, path: str, prompt: list[int], gen: int, threads: int, parallel: int, repeat: int) -> None:
+  """LlamaSide in a process of its own: "ready" once warmed up, a repeat per "once", then on "end" its medians (and the
+  batched side), the build and the peak RSS."""
   import llama_cpp
-  res = bench_llama_cpp(path, prompt, gen, repeat, threads)
+  side = LlamaSide(path, prompt, gen, threads)
+  conn.send("ready")
+  try:
+    while conn.recv() == "once": side.once(); conn.send("done")
+  except EOFError: return  # the benchmark stopped (an error on its side)
+  res = side.result()
   if parallel > 1: res["parallel"] = bench_llama_cpp_parallel(path, prompt, gen, repeat, threads, parallel)
   info = llama_cpp.llama_print_system_info().decode()
-  res["build"] = {"version": llama_cpp.__version__, "features": [f.split("=")[0].split(":")[-1].strip() for f in info.split("|") if f.strip().endswith("= 1")]}
-  res["peak_rss"] = peak_rss()
+  features = [f.split("=")[0].split(":")[-1].strip() for f in info.split("|") if f.strip().endswith("= 1")]  # "CPU : AVX = 1 | ..."
+  res["build"], res["peak_rss"] = {"version": llama_cpp.__version__, "features": features}, peak_rss()
   conn.send(res)
 
-def run_llama_cpp(path, prompt: list[int], gen: int, repeat: int, threads: int, parallel: int = 1) -> dict:
-  """llama.cpp's side of the benchmark in a child process (see the module's docstring)."""
-  mp = multiprocessing.get_context("spawn")
-  recv, send = mp.Pipe(duplex=False)
-  child = mp.Process(target=_llama_cpp_child, args=(send, str(path), prompt, gen, repeat, threads, parallel))
-  child.start(); send.close()
-  try: res = recv.recv()
-  except EOFError: res = None
-  child.join()
-  if res is None or child.exitcode:
-    code = child.exitcode or 0
+class LlamaProcess:
+  """llama.cpp's side in a child process (see the module's docstring), driven a repeat at a time so that its repeats
+  alternate with tg_ds4's: a machine whose speed drifts during the run then moves both sides alike."""
+  def __init__(self, path, prompt: list[int], gen: int, threads: int, parallel: int, repeat: int):
+    self.path, mp = path, multiprocessing.get_context("spawn")
+    self.conn, theirs = mp.Pipe()
+    self.child = mp.Process(target=_llama_cpp_child, args=(theirs, str(path), prompt, gen, threads, parallel, repeat))
+    self.child.start(); theirs.close()
+    self._recv()
+
+  def _recv(self):
+    try: return self.conn.recv()
+    except EOFError: pass
+    self.child.join()
+    code = self.child.exitcode or 0
     why = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
     hint = (f"; a llama-cpp-python built with AMX aborts on MoE files: rebuild it with CMAKE_ARGS=\"{llama_cpp_cmake_args(cpu_flags())}\""
             if code == -signal.SIGABRT else "")
-    raise BenchError(f"{path}: llama.cpp {why}{hint}")
-  return res
+    raise BenchError(f"{self.path}: llama.cpp {why}{hint}")
+
+  def once(self) -> None: self.conn.send("once"); self._recv()
+
+  def result(self) -> dict:
+    self.conn.send("end")
+    res = self._recv()
+    self.child.join()
+    return res
 
 def cpu_flags() -> str:
   try: return next((ln.split(":", 1)[1] for ln in pathlib.Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
@@ -231,15 +263,19 @@ def run(model: str, prompt_tokens: int = 128, gen: int = 64, repeat: int = 3, vs
          "threads": engine_threads(), "beam": int(os.environ.get("JITBEAM", 0)), "numerics": activations.effective(numerics, Device.DEFAULT)}
   # the batched run first: a model without slots fails at once
   if parallel > 1: res["parallel"] = bench_parallel(gf, prompt, gen, repeat, parallel, numerics)
-  res["tg_ds4"] = bench_tg(gf, prompt, gen, repeat, numerics)
-  res["tg_ds4"]["peak_rss"], res["model_bytes"] = peak_rss(), model_bytes(path)
+  tg = TgSide(gf, prompt, gen, numerics)
+  ll = LlamaProcess(path, prompt, gen, res["threads"], parallel, repeat) if vs_llama_cpp else None  # the same threads
+  for _ in range(repeat):
+    tg.once()
+    if ll is not None: ll.once()
+  res["tg_ds4"], res["model_bytes"] = tg.result(), model_bytes(path)
   res["device"] = Device.DEFAULT
   if parallel > 1: res["parallel"]["vs_one_stream"] = res["parallel"]["aggregate_decode_tps"] / res["tg_ds4"]["decode_tps"]
   if on_cpu(None):  # the host's streaming read is the CPU's roofline; a GPU's memory is another
     res["read_gbps"] = read_bandwidth(res["threads"])
     res["tg_ds4"]["bandwidth_fraction"] = res["tg_ds4"]["gbps"] / res["read_gbps"]
   if vs_llama_cpp:
-    res["llama_cpp"] = run_llama_cpp(path, prompt, gen, repeat, res["threads"], parallel)  # the same threads
+    res["llama_cpp"] = ll.result()
     res["ratio"] = {k: res["tg_ds4"][k] / res["llama_cpp"][k] for k in ("prefill_tps", "decode_tps")}
     # llama.cpp reads the same weights per token; its GB/s is estimated from tg_ds4's measured bytes per step
     res["llama_cpp"]["gbps_est"] = res["tg_ds4"]["bytes_per_step"] * res["llama_cpp"]["decode_tps"] / 1e9
