@@ -92,8 +92,8 @@ def _repacked_q4_0(x: np.ndarray, raw: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("rows", [1, 3, 32])
 def test_q4_0_is_ggml_repacked_bit_for_bit(rows, monkeypatch):
   """Q4_0 with a row count that is a multiple of 8: exactly llama.cpp's repacked GEMV/GEMM arithmetic, bit for bit, for
-  a GEMV, a batched step and a prefill chunk's tiles, dense and gathered; a row count that is not a multiple of 8 (as
-  in ggml, which repacks only those) keeps the 8-lane form within the reference's tolerance."""
+  a GEMV, a batched step and a prefill chunk's tiles, dense and gathered; a row count that is not a multiple of 8, and a
+  stack of per-head matrices (ggml repacks neither), keep the 8-lane form within the reference's tolerance."""
   monkeypatch.setattr(intdot, "GEMM_MIN_FLOAT_BYTES", 0)
   rng = np.random.default_rng(10)
   raw, x = _blocks(rng, "Q4_0", 64, 512), (rng.standard_normal((rows, 1, 512)) * 3).astype(np.float32)
@@ -102,12 +102,17 @@ def test_q4_0_is_ggml_repacked_bit_for_bit(rows, monkeypatch):
   gx = rng.standard_normal((1, 3, min(rows, 8), 256)).astype(np.float32)
   gw = QTensor(Tensor(graw).realize(), QT["Q4_0"], (6, 40, 256))
   odd = QTensor(Tensor(raw[:60]).realize(), QT["Q4_0"], (60, 512))
+  heads = QTensor(Tensor(raw.reshape(2, 32, 16, 18)).realize(), QT["Q4_0"], (2, 32, 512))  # per-head matrices (MLA's absorbs)
+  hx = rng.standard_normal((2, 1, 512)).astype(np.float32)
   with settings.override(numerics="llama.cpp"):
     assert np.array_equal(linear(Tensor(x), w).numpy(), _repacked_q4_0(x, raw))
     assert np.array_equal(linear(Tensor(gx), gw[Tensor(ids)]).numpy(), _repacked_q4_0(gx, graw[ids]))
-    y = linear(Tensor(x[:8]), odd).numpy()
+    y, hy = linear(Tensor(x[:8]), odd).numpy(), linear(Tensor(hx), heads).numpy()
   _check(y, _reference(x[:8], raw[:60], "Q4_0"))
   assert not np.array_equal(y, _repacked_q4_0(x[:8], raw[:60]))
+  hraw = raw.reshape(2, 32, 16, 18)
+  _check(hy, _reference(hx, hraw, "Q4_0"))
+  assert not np.array_equal(hy, _repacked_q4_0(hx, hraw))  # ggml repacks no stack of matrices that a plain mul_mat reads
 
 @pytest.mark.parametrize("rows", [4, 24])
 def test_rows_equal_alone(rows, monkeypatch):

@@ -50,6 +50,12 @@ def takes_all(*ws) -> bool:
   where this path takes every one of `ws`, whose kernel unpacks each weight block once for all rows."""
   return all(takes(w) for w in ws)
 
+def repacked(w) -> bool:
+  """Whether `w`'s GEMVs take ggml's repacked Q4_0 form (_source_q4_0x8): Q4_0 with a row count that is a multiple of 8,
+  a matrix or gathered experts (ggml repacks a 2-D weight of a mul_mat and a 3-D one of a mul_mat_id; a stack of
+  per-head matrices used by a plain mul_mat, MLA's attn_k_b and attn_v_b, keeps its blocks and the 8-lane sums)."""
+  return w.qtype.name == "Q4_0" and w.shape[-2] % 8 == 0 and (len(w.shape) == 2 or bool(w._src[1]))
+
 def applies(x: Tensor, w) -> bool:
   """For a `w` this path `takes`: whether `linear(x, w)` fits it: ungathered or gathered once on the leading axis, at
   most MAX_ROWS rows of x per weight matrix (an ungathered one at least GEMM_MIN_FLOAT_BYTES as float32: a multiple of
@@ -258,7 +264,7 @@ def linear(x: Tensor, w, live: Tensor | None = None) -> Tensor:
   shape = (*x.shape[:-1], out)
   if not lead: x = x.reshape(-1, k)                                           # [R, in]
   R = x.shape[-2]
-  x8 = fmt == "Q4_0" and out % 8 == 0                                      # ggml's repacked Q4_0 (_source_q4_0x8)
+  x8 = repacked(w)                                                           # ggml's repacked Q4_0 (_source_q4_0x8)
   xq, *xs = _quantize(x, fmt == "Q4_1", x8)                                  # [..., R, nb, 32] int8; [..., R, nb] scales (, sums)
   x_per_matrix = x.ndim > 2 and prod(x.shape[:-2]) > 1
   if x_per_matrix and tuple(x.shape[:-2]) != tuple(lead):                  # x broadcast over the matrices: copied out
