@@ -1,11 +1,12 @@
-"""quant/intdot.py: Q4_0/Q8_0 GEMVs under llama.cpp's activation rounding as integer block dot products.
+"""quant/intdot.py: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 GEMVs under llama.cpp's activation rounding as integer block dot products.
 
 The reference is numpy, independent of the kernel: x rounded to Q8_0 as ggml's quantize_row_q8_0 does (np.rint is
 ties-to-even, the scale an fp16), the weight's integers read from the block bytes, and llama.cpp's per-block sum
 `fp16(d_w) * fp16(d_x) * sum_i w_i x_i` with exact integer inner sums. Only the order of the float sums over blocks
 differs (8 lanes, then llama.cpp's horizontal sum, against numpy's), hence a relative tolerance of 1e-6 of the largest
-output: a wrong block, nibble half, scale or row offset moves outputs by whole percents. Q4_0's repacked form, whose
-float sums are sequential per output, is held to a numpy model of that order bit for bit."""
+output: a wrong block, nibble half, fifth bit, scale or row offset moves outputs by whole percents. Both summation orders
+llama.cpp uses (Q4_0's repacked form, one sequential sum per output; the other formats' eight lanes) are also held to
+numpy models of that order bit for bit."""
 import numpy as np
 import pytest
 from tinygrad import Tensor
@@ -23,18 +24,25 @@ def _blocks(rng, fmt: str, *shape: int) -> np.ndarray:
   *lead, out, k = shape
   raw = rng.integers(0, 256, size=(*lead, out, k // 32, QT[fmt].nbytes), dtype=np.uint8)
   d = (rng.random((*lead, out, k // 32, 2)) * 0.02 - 0.01).astype(np.float16)  # scales (and Q4_1's minima)
-  raw[..., :4 if fmt == "Q4_1" else 2] = d.view(np.uint8).reshape(*d.shape[:-1], 4)[..., :4 if fmt == "Q4_1" else 2]
+  head = 4 if fmt in intdot.MINIMUM else 2
+  raw[..., :head] = d.view(np.uint8).reshape(*d.shape[:-1], 4)[..., :head]
   return raw
 
 def _f16(b: np.ndarray) -> np.ndarray: return b.copy().view(np.float16)[..., 0].astype(np.float64)
 
 def _weight_ints(raw: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """(integers `[..., nb, 32]`, fp16 scales and minima `[..., nb]` as float) of Q4_0 (low nibbles first, minus 8), Q4_1
-  (d, m, nibbles: value d * q + m) or Q8_0 blocks."""
-  d, m = _f16(raw[..., :2]), _f16(raw[..., 2:4]) if fmt == "Q4_1" else np.zeros(raw.shape[:-1])
+  (d, m, nibbles: value d * q + m), Q5_0 (d, 32 fifth bits, nibbles: minus 16), Q5_1 (d, m, fifth bits, nibbles) or
+  Q8_0 blocks, as ggml's dequantize_row_* read them."""
+  head = 4 if fmt in intdot.MINIMUM else 2
+  d, m = _f16(raw[..., :2]), _f16(raw[..., 2:4]) if head == 4 else np.zeros(raw.shape[:-1])
   if fmt == "Q8_0": return raw[..., 2:].view(np.int8).astype(np.int64), d, m
-  qs = raw[..., 2:18] if fmt == "Q4_0" else raw[..., 4:20]
-  return np.concatenate([qs & 15, qs >> 4], -1).astype(np.int64) - (8 if fmt == "Q4_0" else 0), d, m
+  fifth = np.zeros((*raw.shape[:-1], 32), np.int64)
+  if fmt.startswith("Q5"):
+    qh = raw[..., head:head + 4].copy().view("<u4").astype(np.int64)
+    fifth, head = ((qh >> np.arange(32)) & 1) * 16, head + 4
+  q = np.concatenate([raw[..., head:head + 16] & 15, raw[..., head:head + 16] >> 4], -1).astype(np.int64) + fifth
+  return q - {"Q4_0": 8, "Q5_0": 16}.get(fmt, 0), d, m
 
 def _x_ints(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Q8_1 of x (ggml's quantize_row_q8_1, whose values and scale are Q8_0's): ints, fp16 scale, fp16(d * sum q)."""
@@ -56,7 +64,7 @@ def _check(y: np.ndarray, ref: np.ndarray):
   assert y.shape == ref.shape
   assert np.abs(y - ref).max() <= 1e-6 * np.abs(ref).max()
 
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("fmt", list(intdot.FORMATS))
 @pytest.mark.parametrize("rows", [1, 3, 32])  # 32: a prefill chunk, in tiles of MAX_ROWS rows
 def test_dense(fmt, rows, monkeypatch):
   monkeypatch.setattr(intdot, "GEMM_MIN_FLOAT_BYTES", 0)  # the tiles for a small weight too
@@ -66,7 +74,7 @@ def test_dense(fmt, rows, monkeypatch):
   with settings.override(numerics="llama.cpp"): y = linear(Tensor(x), w).numpy()
   _check(y, _reference(x, raw, fmt))
 
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("fmt", list(intdot.FORMATS))
 @pytest.mark.parametrize("x_lead", [(1, 3), (1, 1)])  # one x per selected matrix (down), or one x for all (gate, up)
 def test_gathered(fmt, x_lead):
   rng = np.random.default_rng(2)
@@ -89,6 +97,39 @@ def _repacked_q4_0(x: np.ndarray, raw: np.ndarray) -> np.ndarray:
   for b in range(dots.shape[-1]): acc = (dots[..., b] * scale[..., b] + acc).astype(np.float32)
   return acc
 
+def _lanes(x: np.ndarray, raw: np.ndarray, fmt: str) -> np.ndarray:
+  """ggml's vec_dot on x86 with AVX2 (and tinyBLAS's GEMM, the same sums), in numpy: per output, 8 float lanes, lane j
+  acc_j = fma(float(block dot of the block's values 4j..4j+3), fp16(d_w) * fp16(d_x), acc_j) over the blocks in order,
+  then hsum_float_8's ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)), plus (Q4_1, Q5_1) the minima's own sum
+  summs = fma(m_w, s_x, summs). Exact in float64 before each float32 rounding, as _repacked_q4_0 says."""
+  wq, wd, wm = _weight_ints(raw, fmt)
+  xq, xd, xs = _x_ints(x)
+  dots = np.einsum("...rbjk,...objk->...robj", xq.reshape(*xq.shape[:-1], 8, 4), wq.reshape(*wq.shape[:-1], 8, 4))
+  f32 = lambda v: v.astype(np.float32).astype(np.float64)
+  scale = f32(xd[..., :, None, :] * wd[..., None, :, :])
+  acc, sm = np.zeros(dots.shape[:-2] + (8,)), np.zeros(dots.shape[:-2])
+  for b in range(dots.shape[-2]):
+    acc = f32(dots[..., b, :] * scale[..., b, None] + acc)
+    sm = f32(wm[..., None, :, b] * xs[..., :, None, b] + sm)
+  a = acc
+  return (f32(f32(f32(a[..., 0] + a[..., 4]) + f32(a[..., 2] + a[..., 6])) + f32(f32(a[..., 1] + a[..., 5]) + f32(a[..., 3] + a[..., 7]))) +
+          sm).astype(np.float32)
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_lanes_are_ggml_vec_dot_bit_for_bit(fmt, monkeypatch):
+  """The formats ggml does not repack on x86: exactly its vec_dot's (and tinyBLAS's) eight lanes, bit for bit, for a
+  GEMV, a batched step and a prefill chunk's tiles, dense and gathered."""
+  monkeypatch.setattr(intdot, "GEMM_MIN_FLOAT_BYTES", 0)
+  rng = np.random.default_rng(11)
+  raw, graw, ids = _blocks(rng, fmt, 64, 512), _blocks(rng, fmt, 6, 40, 256), np.array([[5, 0, 5]], np.int32)
+  w, gw = QTensor(Tensor(raw).realize(), QT[fmt], (64, 512)), QTensor(Tensor(graw).realize(), QT[fmt], (6, 40, 256))
+  for rows in (1, 3, 32):
+    x = (rng.standard_normal((rows, 1, 512)) * 3).astype(np.float32)
+    gx = rng.standard_normal((1, 3, min(rows, 8), 256)).astype(np.float32)
+    with settings.override(numerics="llama.cpp"):
+      assert np.array_equal(linear(Tensor(x), w).numpy(), _lanes(x, raw, fmt))
+      assert np.array_equal(linear(Tensor(gx), gw[Tensor(ids)]).numpy(), _lanes(gx, graw[ids], fmt))
+
 @pytest.mark.parametrize("rows", [1, 3, 32])
 def test_q4_0_is_ggml_repacked_bit_for_bit(rows, monkeypatch):
   """Q4_0 with a row count that is a multiple of 8: exactly llama.cpp's repacked GEMV/GEMM arithmetic, bit for bit, for
@@ -108,10 +149,10 @@ def test_q4_0_is_ggml_repacked_bit_for_bit(rows, monkeypatch):
     assert np.array_equal(linear(Tensor(x), w).numpy(), _repacked_q4_0(x, raw))
     assert np.array_equal(linear(Tensor(gx), gw[Tensor(ids)]).numpy(), _repacked_q4_0(gx, graw[ids]))
     y, hy = linear(Tensor(x[:8]), odd).numpy(), linear(Tensor(hx), heads).numpy()
-  _check(y, _reference(x[:8], raw[:60], "Q4_0"))
+  assert np.array_equal(y, _lanes(x[:8], raw[:60], "Q4_0"))
   assert not np.array_equal(y, _repacked_q4_0(x[:8], raw[:60]))
   hraw = raw.reshape(2, 32, 16, 18)
-  _check(hy, _reference(hx, hraw, "Q4_0"))
+  assert np.array_equal(hy, _lanes(hx, hraw, "Q4_0"))
   assert not np.array_equal(hy, _repacked_q4_0(hx, hraw))  # ggml repacks no stack of matrices that a plain mul_mat reads
 
 @pytest.mark.parametrize("rows", [4, 24])
@@ -196,7 +237,7 @@ def test_a_chunk_takes_the_tiles_only_for_a_big_weight():
     assert tiled(linear(x, big)) and not tiled(linear(x, small)) and tiled(linear(x[:, :1], small))
 
 @pytest.mark.skipif(not backend.capabilities("CPU").int_dot_vnni, reason="needs AVX-512 VNNI or AVX-VNNI")
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("fmt", list(intdot.FORMATS))
 def test_vnni_gives_the_same_integers(fmt, monkeypatch):
   """`vpdpbusd` (one instruction) against `vpmaddubsw` + `vpmaddwd` (AVX2): bitwise the same outputs, extremes included
   (Q8_0 weight bytes of -128 and 127 against x rounded to +-127, where an int16 pair sum is largest), for a GEMV and a

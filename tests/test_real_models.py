@@ -9,7 +9,7 @@ its 512-token sliding window (a window one token too wide puts the engine rows 9
 Against llama.cpp on the quantized file itself the bar "greedy ids equal except at < 1e-3 near ties" cannot be met by
 any exact engine: llama.cpp's 8-bit activation rounding makes its quantized run leave its own exact-math run at clear
 margins, which test_llama_cpp_quantized_run_is_not_exact shows from the fixtures. The models are loaded with
-`numerics="exact"`: the default numerics round Q4_1/Q8_0/Q5_0 matmul inputs as llama.cpp does (tg_ds4/quant/activations.py)."""
+`numerics="exact"`: the default numerics round Q4_1/Q5_0/Q8_0 matmul inputs as llama.cpp does (tg_ds4/quant/activations.py)."""
 import functools, json, pathlib
 
 import numpy as np

@@ -1,21 +1,20 @@
 """Weights re-encoded for the CPU's code with identical values: a per-device choice (backend.Capabilities.widen_weights)."""
 from math import prod
 
-
 from tg_ds4.nn.layers import Linear, packed_weights
 from tg_ds4.quant.formats import K_WIDENED, q5_0_as_q8_0, widen_k_quant
 
 WIDEN_K_MAX_EXTRA = 1 << 30  # K-quant widening is skipped when it would add more bytes than this (a big model)
 
-def widen_for_cpu(model) -> None:
+def widen_for_cpu(model, q5_0: bool = True) -> None:
   """Dense Linear weights in formats whose bit fields cost tinygrad's CPU code more than their bytes, re-encoded with
-  identical values: Q5_0 as Q8_0 (quant/formats.py's `q5_0_as_q8_0`, 1.55x the bytes, a GEMV faster per weight: no
-  5th bit to shift and mask in) and, when the extra memory stays under WIDEN_K_MAX_EXTRA, Q6_K and Q4_K as int8 with
+  identical values: with `q5_0`, Q5_0 as Q8_0 (quant/formats.py's `q5_0_as_q8_0`, 1.55x the bytes, a float GEMV faster
+  per weight: no 5th bit to shift and mask in) and, when the extra memory stays under WIDEN_K_MAX_EXTRA, Q6_K and Q4_K as int8 with
   float32 sub-block scales (quant/formats.py's `widen_k_quant`, 1.5x / 2.2x the bytes). Made for dense models on the
   CPU (models/transformer.py's Transformer.load)."""
   ws = [(o, w) for o, attr, w in packed_weights(model) if isinstance(o, Linear) and attr == "weight"]
   for owner, w in ws:
-    if w.qtype.name == "Q5_0": owner.weight = q5_0_as_q8_0(w)
+    if q5_0 and w.qtype.name == "Q5_0": owner.weight = q5_0_as_q8_0(w)
   k = [(o, w) for o, w in ws if w.qtype.name in K_WIDENED]
   if sum(prod(w.shape) * K_WIDENED[w.qtype.name].nbytes // K_WIDENED[w.qtype.name].block - w.nbytes for _, w in k) <= WIDEN_K_MAX_EXTRA:
     for owner, w in k: owner.weight = widen_k_quant(w)
@@ -23,5 +22,7 @@ def widen_for_cpu(model) -> None:
 def prepare(model, settings) -> None:
   """After the weights are loaded: `widen_for_cpu` where the device's capabilities ask for it (`settings`: the model's
   quant/settings.py Settings). Not under "llama.cpp" numerics, which round every matmul's input by the file's weight
-  format (a Q5_0 weight's input as a Q8_0 one's: "auto" rounds it once widened)."""
-  if settings.caps.widen_weights and settings.numerics != "llama.cpp": widen_for_cpu(model)
+  format. Q5_0 stays packed where its GEMVs take integer dot products (quant/intdot.py unpacks its fifth bits for less
+  than the bytes a widened copy reads)."""
+  if settings.caps.widen_weights and settings.numerics != "llama.cpp":
+    widen_for_cpu(model, q5_0=settings.numerics == "exact" or "Q5_0" not in settings.caps.int_dot_formats)

@@ -1,9 +1,10 @@
-"""Q4_0, Q4_1 and Q8_0 GEMVs as llama.cpp computes them on an AVX2 CPU: x rounded to Q8_0 (int8 per block of 32 with
-an fp16 scale, quant/activations.py's _q8_0; Q8_1 for Q4_1, with each block's sum), each weight block's integer dot
-product with it taken by `vpmaddubsw`/`vpmaddwd` and scaled by the two block scales. Q4_1 and Q8_0 (ggml's vec_dot)
-keep eight float lanes per output, summed at the end; Q4_0 with a row count that is a multiple of 8 is ggml's repacked
-form (`_source_q4_0x8`), which llama.cpp loads such a matrix into on these CPUs: one float accumulator per output, eight
-outputs per vector. x is rounded by a kernel of its own (`_quantize`), once for all GEMVs that read it.
+"""Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 GEMVs as llama.cpp computes them on an AVX2 CPU: x rounded to Q8_0 (int8 per block
+of 32 with an fp16 scale, quant/activations.py's _q8_0; Q8_1 for Q4_1 and Q5_1, with each block's sum), each weight
+block's integer dot product with it taken by `vpmaddubsw`/`vpmaddwd` and scaled by the two block scales. Q4_1, Q5_0,
+Q5_1 and Q8_0 (ggml's vec_dot; tinyBLAS's GEMM sums the same lanes) keep eight float lanes per output, summed at the
+end; Q4_0 with a row count that is a multiple of 8 is ggml's repacked form (`_source_q4_0x8`), which llama.cpp loads
+such a matrix into on these CPUs: one float accumulator per output, eight outputs per vector. x is rounded by a kernel
+of its own (`_quantize`), once for all GEMVs that read it.
 
 Only where quant/activations.py rounds the input ("auto" or "llama.cpp" numerics): this is llama.cpp's arithmetic, not
 the exact float GEMV (quant/formats.py's linear), which is also slower on rounded x (its per-value int-to-float
@@ -26,7 +27,9 @@ from tg_ds4 import backend
 from tg_ds4.backend.compat import AxisType, Estimates, KernelInfo, Ops, UOp, prod
 from tg_ds4.quant import activations, settings
 
-FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # block bytes: an fp16 scale (Q4_1: and an fp16 minimum), then nibbles or int8
+# block bytes: an fp16 scale (Q4_1, Q5_1: and an fp16 minimum), Q5's 32 fifth bits, then nibbles or int8
+FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
+MINIMUM = ("Q4_1", "Q5_1")          # value d * q + m: x rounded to Q8_1, whose block sums carry the minimum
 assert set(FORMATS) == set(backend.INT_DOT_FORMATS)
 MAX_ROWS = 8                        # rows of x per weight matrix kept in registers (8 accumulators of 8 floats)
 MAX_TILES = 16                      # a prefill chunk's rows against one weight (ungathered): up to this many tiles of
@@ -71,11 +74,17 @@ def applies(x: Tensor, w) -> bool:
 
 # one output row (`@R@`: the flat index over matrix x output row) against R rows of x; the format's unpack
 # gives 32 int8 weights `wq_` per block; the lanes are summed as llama.cpp's hsum_float_8 sums them
+_NIBBLES = "v16u lo_ = raw_ & (unsigned char)15, hi_ = raw_ >> 4;\n      v32c wq_ = (v32c)__builtin_shufflevector(lo_, hi_, " + \
+           ",".join(map(str, range(32))) + ")"
+# Q5's fifth bits (bit i of the 32-bit field: value i), each to a byte of 16 or 0, as ggml's bytes_from_bits_32
+_FIFTH = ("v4u qh_; __builtin_memcpy(&qh_, blk_ + %d, 4);\n      const v32u hb_ = (v32u)__builtin_shufflevector(qh_, qh_, " +
+          ",".join(str(i // 8) for i in range(32)) + ") & (v32u){" + ",".join(str(1 << (i % 8)) for i in range(32)) + "};\n      ")
 _UNPACK = {
-  "Q4_0": "v16u raw_; __builtin_memcpy(&raw_, blk_ + 2, 16); v16u lo_ = raw_ & (unsigned char)15, hi_ = raw_ >> 4;\n"
-          "      v32c wq_ = (v32c)__builtin_shufflevector(lo_, hi_, " + ",".join(map(str, range(32))) + ") - (signed char)8;",
-  "Q4_1": "v16u raw_; __builtin_memcpy(&raw_, blk_ + 4, 16); v16u lo_ = raw_ & (unsigned char)15, hi_ = raw_ >> 4;\n"
-          "      v32c wq_ = (v32c)__builtin_shufflevector(lo_, hi_, " + ",".join(map(str, range(32))) + ");",
+  "Q4_0": "v16u raw_; __builtin_memcpy(&raw_, blk_ + 2, 16); " + _NIBBLES + " - (signed char)8;",
+  "Q4_1": "v16u raw_; __builtin_memcpy(&raw_, blk_ + 4, 16); " + _NIBBLES + ";",
+  "Q5_0": _FIFTH % 2 + "v16u raw_; __builtin_memcpy(&raw_, blk_ + 6, 16); " + _NIBBLES +
+          " + ((v32c)(hb_ != 0) & (signed char)16) - (signed char)16;",
+  "Q5_1": _FIFTH % 4 + "v16u raw_; __builtin_memcpy(&raw_, blk_ + 8, 16); " + _NIBBLES + " + ((v32c)(hb_ != 0) & (signed char)16);",
   "Q8_0": "v32c wq_; __builtin_memcpy(&wq_, blk_ + 2, 32);"}
 
 def _source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered: bool, x_per_matrix: bool, tiles: int = 1,
@@ -86,27 +95,35 @@ def _source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered:
   matrix (`@LIVE@`); a matrix whose flag is 0 computes nothing and its outputs are 0."""
   dot = ("__builtin_ia32_vpdpbusd256((v8i){0,0,0,0,0,0,0,0}, (v8i)aw_, (v8i)__builtin_ia32_psignb256(xv_, wq_))" if vnni else
          "__builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256(aw_, __builtin_ia32_psignb256(xv_, wq_)), one_)")
-  bb, m = FORMATS[fmt], fmt == "Q4_1"  # Q4_1: + its minimum times x's block sum, a float sum of its own (ggml's summs)
+  bb, m = FORMATS[fmt], fmt in MINIMUM  # + its minimum times x's block sum, a float sum of its own (ggml's summs)
   mat = ("((const int *)@IDX@)[@R@ / %d]" if gathered else "@R@ / %d") % out
   xrow = "(@R@ / %d) * %d" % (out, rows * tiles) if x_per_matrix else "0"
   total = rows * tiles
+  unpack = f"""const unsigned char *blk_ = w_ + b_ * {bb};
+    {_UNPACK[fmt]}
+    __fp16 h_; __builtin_memcpy(&h_, blk_, 2); const float dw_ = (float)h_;
+    {"__fp16 mh_; __builtin_memcpy(&mh_, blk_ + 2, 2); const float mw_ = (float)mh_;" if m else "const float mw_ = 0.0f;"}
+    const v32c aw_ = __builtin_ia32_psignb256(wq_, wq_);"""
+  # tiles: the weight row unpacked once into arrays that stay in L1 (a Q5 block's bits cost more than a load per tile)
+  prologue = "" if tiles == 1 else f"""v32c wq_s_[{nb}], aw_s_[{nb}]; float dw_s_[{nb}], mw_s_[{nb}];
+  for (int b_ = 0; b_ < (live_ ? {nb} : 0); b_++) {{ {unpack}
+    wq_s_[b_] = wq_; aw_s_[b_] = aw_; dw_s_[b_] = dw_; mw_s_[b_] = mw_; (void)mw_; }}"""
+  block = unpack if tiles == 1 else "const v32c wq_ = wq_s_[b_], aw_ = aw_s_[b_]; const float dw_ = dw_s_[b_], mw_ = mw_s_[b_]; (void)mw_;"
   return f"""({{ typedef signed char v32c __attribute__((vector_size(32))); typedef unsigned char v16u __attribute__((vector_size(16)));
   typedef short v16s __attribute__((vector_size(32))); typedef int v8i __attribute__((vector_size(32)));
-  typedef float v8f __attribute__((vector_size(32)));
+  typedef float v8f __attribute__((vector_size(32))); typedef unsigned char v4u __attribute__((vector_size(4)));
+  typedef unsigned char v32u __attribute__((vector_size(32)));
   const unsigned char *w_ = (const unsigned char *)@W@ + (long)({mat}) * {matrix_bytes}L + (long)(@R@ % {out}) * {nb * bb};
   const v16s one_ = {{1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1}};
   const int live_ = {"((const int *)@LIVE@)[@R@ / %d]" % out if live else "1"};
+  {prologue}
   for (int t_ = 0; t_ < {tiles}; t_++) {{
   const int xr_ = {xrow} + t_ * {rows};
   v8f acc_[{rows}];
   float sm_[{rows}];
   for (int r_ = 0; r_ < {rows}; r_++) {{ acc_[r_] = (v8f){{0,0,0,0,0,0,0,0}}; sm_[r_] = 0.0f; }}
   for (int b_ = 0; b_ < (live_ ? {nb} : 0); b_++) {{
-    const unsigned char *blk_ = w_ + b_ * {bb};
-    {_UNPACK[fmt]}
-    __fp16 h_; __builtin_memcpy(&h_, blk_, 2); const float dw_ = (float)h_;
-    {"__fp16 mh_; __builtin_memcpy(&mh_, blk_ + 2, 2); const float mw_ = (float)mh_;" if m else ""}
-    const v32c aw_ = __builtin_ia32_psignb256(wq_, wq_);
+    {block}
     for (int r_ = 0; r_ < {rows}; r_++) {{
       v32c xv_; __builtin_memcpy(&xv_, (const signed char *)@XQ@ + ((long)(xr_ + r_) * {nb} + b_) * 32, 32);
       const v8i s_ = {dot};
@@ -265,7 +282,7 @@ def linear(x: Tensor, w, live: Tensor | None = None) -> Tensor:
   if not lead: x = x.reshape(-1, k)                                           # [R, in]
   R = x.shape[-2]
   x8 = repacked(w)                                                           # ggml's repacked Q4_0 (_source_q4_0x8)
-  xq, *xs = _quantize(x, fmt == "Q4_1", x8)                                  # [..., R, nb, 32] int8; [..., R, nb] scales (, sums)
+  xq, *xs = _quantize(x, fmt in MINIMUM, x8)                                  # [..., R, nb, 32] int8; [..., R, nb] scales (, sums)
   x_per_matrix = x.ndim > 2 and prod(x.shape[:-2]) > 1
   if x_per_matrix and tuple(x.shape[:-2]) != tuple(lead):                  # x broadcast over the matrices: copied out
     pad = (1,) * (len(lead) + 2 - x.ndim)
