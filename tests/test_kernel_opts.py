@@ -179,6 +179,7 @@ def test_panel_gemm_reads_each_panel_contiguously_and_splits_panels_over_cores(u
   holds a few tokens x the outputs of one or two panels per iteration, the panels outermost (each stays in cache while
   every token passes it; also where the output is stored token-major, as when a residual is added to it) and split over
   the cores. For every vector unit the rules know."""
+  monkeypatch.setenv("TG_DS4_C_GEMM", "0")  # tinygrad's kernel of the product (quant/cgemm.py's is tests/test_cgemm.py's)
   monkeypatch.setattr(kernel_opts, "CPU", UNITS[unit])
   (tokens, vec), n = kernel_opts.CPU.gemm, kernel_opts.CPU.panel
   x, w = Tensor.ones(1, 32, 1024).contiguous().realize(), packed("Q4_0", 4096, 1024).dequant(dtypes.float32)
@@ -202,6 +203,7 @@ def test_per_head_gemm_keeps_the_heads_a_loop(unit, monkeypatch):
   the latent input alike (both 16 x 512 x 128 floats). It gets the GEMM opts, tokens x outputs per iteration, whichever
   of the two equal inputs comes first, and the right values; a residual added to a panel GEMM's output is no batch. For
   every vector unit the rules know."""
+  monkeypatch.setenv("TG_DS4_C_GEMM", "0")  # tinygrad's kernel of the product (quant/cgemm.py's is tests/test_cgemm.py's)
   monkeypatch.setattr(kernel_opts, "CPU", UNITS[unit])
   rng = np.random.default_rng(4)
   x, w = rng.standard_normal((1, 16, 128, 512)).astype(np.float32), rng.standard_normal((16, 512, 128)).astype(np.float32)
@@ -223,6 +225,7 @@ def test_per_head_gemm_keeps_the_heads_a_loop(unit, monkeypatch):
 
 @pytest.mark.parametrize("unit,rows", [("avx2", 16), ("avx512", 24), ("neon", 32), ("sse", 8)])  # (rows: a kernel per unit)
 def test_panel_gemm_values(unit, rows, monkeypatch):
+  monkeypatch.setenv("TG_DS4_C_GEMM", "0")  # tinygrad's kernel of the product (quant/cgemm.py's is tests/test_cgemm.py's)
   monkeypatch.setattr(kernel_opts, "CPU", UNITS[unit])
   rng, qt, n = np.random.default_rng(1), QTYPE_BY_NAME["Q4_0"], kernel_opts.CPU.panel
   blocks = rng.integers(0, 256, (256, 512 // 32, qt.nbytes), dtype=np.uint8)

@@ -28,7 +28,7 @@ from tinygrad import Tensor, UOp, dtypes
 
 from tg_ds4.backend.buffers import host_tensor
 from tg_ds4.backend.compat import DType, Ops, prod
-from tg_ds4.quant import intdot, settings
+from tg_ds4.quant import cgemm, intdot, settings
 from tg_ds4.quant.activations import round_activations
 
 # ---------------------------------------------------------------- layouts
@@ -518,8 +518,11 @@ def panel_gemm(x: Tensor, w: Tensor, n: int, bias: Weight | None = None) -> Tens
   O, I = w.shape
   p = w.reshape(O // n, n, I).permute(0, 2, 1).contiguous()                                   # [out/n, in, n]
   lead, rows = x.shape[:-1], prod(x.shape[:-1])
-  y = (x.cast(w.dtype).reshape(1, rows, I, 1) * p.reshape(O // n, 1, I, n)).sum(2, dtype=dtypes.float32)  # [out/n, rows, n]
-  y = y.permute(1, 0, 2).reshape(*lead, O)
+  if (c := settings.current(w.device).caps.c_gemm) and w.dtype == dtypes.float32 and cgemm.applies(rows, O // n, n, *c):
+    y = cgemm.panel_gemm(x.float().reshape(rows, I), p, *c).reshape(*lead, O)                  # the same sums, vector accumulators
+  else:
+    y = (x.cast(w.dtype).reshape(1, rows, I, 1) * p.reshape(O // n, 1, I, n)).sum(2, dtype=dtypes.float32)  # [out/n, rows, n]
+    y = y.permute(1, 0, 2).reshape(*lead, O)
   return y if bias is None else y + as_tensor(bias, dtypes.float32)
 
 def dot_lanes(q: Tensor, k: Tensor, lanes: int = LANES) -> Tensor:

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import functools
 
-from tinygrad import Device, Tensor, dtypes
+from tinygrad import Tensor, dtypes
 
 from tg_ds4 import backend
-from tg_ds4.backend.compat import AxisType, Estimates, KernelInfo, Ops, UOp, prod
-from tg_ds4.quant import activations, settings
+from tg_ds4.backend.compat import AxisType, Estimates, KernelInfo, UOp, prod
+from tg_ds4.quant import activations, ckernel, settings
 
 # block bytes: an fp16 scale (Q4_1, Q5_1: and an fp16 minimum), Q5's 32 fifth bits, then nibbles or int8
 FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
@@ -211,12 +211,6 @@ def _source_q4_0x8(nb: int, out: int, rows: int, matrix_bytes: int, gathered: bo
   }}
 }});"""
 
-def _format_string(src: str, names: list[str]) -> str:
-  """C source -> an Ops.CUSTOM format string: braces escaped, `@NAME@` -> `{i}` (the i-th source)."""
-  s = src.replace("{", "{{").replace("}", "}}").replace("@R@", "(@R@)")
-  for i, n in enumerate(names): s = s.replace(f"@{n}@", "{%d}" % i)
-  return s
-
 # one block of 32 floats (`@R@`: the block) -> its int8 values and its scale, as ggml's quantize_row_q8_0 (AVX2 path)
 # computes them and activations._q8_0 states them: amax, the scale rounded to fp16 (F16C's round to nearest even),
 # rint(x * 127 / amax) in the default rounding mode (ties to even); for Q8_1 (quantize_row_q8_1) also the block's
@@ -235,19 +229,6 @@ _QUANTIZE = """({ const float *x_ = (const float *)@X@ + (long)@R@ * 32;
   @SUM@
 });"""
 
-def _kernel(body: str, params: tuple[UOp, ...], written: dict[int, UOp], r: UOp, ranges: tuple[UOp, ...], info) -> UOp:
-  """The kernel of the C statement `body` over `params` inside range `r` (one of `ranges`), which tinygrad orders
-  correctly. tinygrad knows which buffers a kernel writes and reads from its STOREs and LOADs (ProgramInfo.outs and
-  .ins, by which the native replay orders kernels into waves), and a C statement has neither: each buffer it reads gets
-  a load of its first element among the statement's sources (cast to void in it), and each buffer it writes (`written`:
-  param -> an element the statement writes in this iteration) a store of 0 to that element just before the statement,
-  which the statement then overwrites."""
-  reads = tuple(p[0].load(dtype=p.dtype) for i, p in enumerate(params) if i not in written)
-  first = tuple(params[i][e].store(UOp.const(0, params[i].dtype)) for i, e in written.items())
-  body += "".join(" (void)({%d});" % (len(params) + 1 + j) for j in range(len(reads)))  # used, so rendered and counted
-  stmt = UOp(Ops.CUSTOM, dtypes.void, src=(*params, r, *reads, *first), arg=body)
-  return stmt.end(*ranges).sink(arg=info).rtag(1)
-
 def _quantize(x: Tensor, sums: bool, minus8: bool = False) -> tuple[Tensor, ...]:
   """x `[..., in]` -> (int8 `[..., in/32, 32]`, float32 scales `[..., in/32]`, with `sums` Q8_1's block sums `[..., in/32]`,
   with `minus8` -8 times each block's integer sum, int32 `[..., in/32]`: the start of _source_q4_0x8's block dots), one
@@ -259,18 +240,14 @@ def _quantize(x: Tensor, sums: bool, minus8: bool = False) -> tuple[Tensor, ...]
   srcs["X"] = x.float().contiguous().flatten()
   src = _QUANTIZE.replace("@SUM@", ("((float *)@XS@)[@R@] = (float)(__fp16)(amax_ / 127.0f * (float)sum_);" if sums else "") +
                                    ("((int *)@XI@)[@R@] = -8 * sum_;" if minus8 else ""))
-  body = _format_string(src, [*srcs, "R"])
+  body = ckernel.format_string(src, [*srcs, "R"])
   def kernel(*params: UOp) -> UOp:
     r = UOp.range(blocks, 0)
     est = Estimates(ops=3 * blocks * 32, lds=blocks * 32 * 9 + 8 * blocks, mem=blocks * 32 * 5 + 8 * blocks)
     info = KernelInfo(name=f"q8_{int(sums)}_quantize_{blocks}", estimates=est)
-    return _kernel(body, params, {0: r * 32, **{i: r for i in range(1, len(srcs) - 1)}}, r, (r,), info)
+    return ckernel.statement_kernel(body, params, {0: r * 32, **{i: r for i in range(1, len(srcs) - 1)}}, r, (r,), info)
   *outs, _ = Tensor.custom_kernel(*srcs.values(), fxn=kernel)
   return (outs[0].reshape(*x.shape[:-1], nb, 32), *(o.reshape(*x.shape[:-1], nb) for o in outs[1:]))
-
-def _threads(device: str, n: int) -> int:
-  g = (Device[device].renderer.global_max or (1,))[0]
-  return max(t for t in range(1, g + 1) if n % t == 0)
 
 def linear(x: Tensor, w, live: Tensor | None = None) -> Tensor:
   """`x @ w.T` for `applies(x, w)`, float32: w `[out, in]` and x `[..., in]` (every leading axis rows) -> `[..., out]`;
@@ -300,10 +277,10 @@ def linear(x: Tensor, w, live: Tensor | None = None) -> Tensor:
   rows, tiles = (R, 1) if R <= MAX_ROWS else (MAX_ROWS, R // MAX_ROWS)    # a chunk: tiles of MAX_ROWS rows
   vnni = settings.current(str(w.device)).caps.int_dot_vnni
   source = _source_q4_0x8 if x8 else functools.partial(_source, fmt)
-  body = _format_string(source(nb, out, rows, matrix_bytes, gathered, x_per_matrix, tiles, vnni, live is not None), names)
+  body = ckernel.format_string(source(nb, out, rows, matrix_bytes, gathered, x_per_matrix, tiles, vnni, live is not None), names)
   per = 8 if x8 else 1                                                       # output rows per statement
   n = L * out // per
-  threads = _threads(str(w.device), n)
+  threads = ckernel.threads(str(w.device), n)
   def kernel(*params: UOp) -> UOp:
     # the rows split over the threads by hand (a THREAD range outermost): tinygrad's opts pass would rebuild the
     # kernel's info without the estimates below, and it has nothing else to do here
@@ -313,6 +290,6 @@ def linear(x: Tensor, w, live: Tensor | None = None) -> Tensor:
     est = Estimates(ops=2 * L * R * out * k, lds=L * out * (tiles * nb * FORMATS[fmt] + R * nb * 36) + 4 * L * R * out,
                     mem=L * out * nb * FORMATS[fmt] + xq_rows * nb * 36 + 4 * L * R * out)
     info = KernelInfo(name=f"{fmt.lower()}_intdot_{L}_{R}_{out}_{k}", estimates=est)
-    return _kernel(body, params, {0: (r * per) // out * (out * R) + (r * per) % out}, r, (i, t), info)
+    return ckernel.statement_kernel(body, params, {0: (r * per) // out * (out * R) + (r * per) % out}, r, (i, t), info)
   y = Tensor.custom_kernel(*srcs.values(), fxn=kernel)[0]
   return y.reshape(*lead, R, out) if lead else y.reshape(shape)

@@ -1,0 +1,32 @@
+"""C statements as tinygrad kernels (`Tensor.custom_kernel`): quant/intdot.py's integer block dots and quant/cgemm.py's
+float GEMM are C that tinygrad's renderer cannot express (clang's vector builtins, accumulators held as vectors), each
+statement inside a (threaded) range tinygrad schedules and orders like any other kernel."""
+from __future__ import annotations
+
+from tinygrad import Device, dtypes
+
+from tg_ds4.backend.compat import Ops, UOp
+
+def format_string(src: str, names: list[str]) -> str:
+  """C source -> an Ops.CUSTOM format string: braces escaped, `@NAME@` -> `{i}` (the i-th source)."""
+  s = src.replace("{", "{{").replace("}", "}}").replace("@R@", "(@R@)")
+  for i, n in enumerate(names): s = s.replace(f"@{n}@", "{%d}" % i)
+  return s
+
+def statement_kernel(body: str, params: tuple[UOp, ...], written: dict[int, UOp], r: UOp, ranges: tuple[UOp, ...], info) -> UOp:
+  """The kernel of the C statement `body` over `params` inside range `r` (one of `ranges`), which tinygrad orders
+  correctly. tinygrad knows which buffers a kernel writes and reads from its STOREs and LOADs (ProgramInfo.outs and
+  .ins, by which the native replay orders kernels into waves), and a C statement has neither: each buffer it reads gets
+  a load of its first element among the statement's sources (cast to void in it), and each buffer it writes (`written`:
+  param -> an element the statement writes in this iteration) a store of 0 to that element just before the statement,
+  which the statement then overwrites."""
+  reads = tuple(p[0].load(dtype=p.dtype) for i, p in enumerate(params) if i not in written)
+  first = tuple(params[i][e].store(UOp.const(0, params[i].dtype)) for i, e in written.items())
+  body += "".join(" (void)({%d});" % (len(params) + 1 + j) for j in range(len(reads)))  # used, so rendered and counted
+  stmt = UOp(Ops.CUSTOM, dtypes.void, src=(*params, r, *reads, *first), arg=body)
+  return stmt.end(*ranges).sink(arg=info).rtag(1)
+
+def threads(device: str, n: int) -> int:
+  """The most threads, up to the renderer's limit, that split `n` statements evenly."""
+  g = (Device[device].renderer.global_max or (1,))[0]
+  return max(t for t in range(1, g + 1) if n % t == 0)
