@@ -224,16 +224,21 @@ def test_kernels_declare_their_buffers():
   assert seen["q8_0_quantize_4"] == ((0, 1), (2,))           # writes the int8 values and scales, reads x
   assert seen["q8_0_intdot_1_1_32_128"] == ((0,), (1, 2, 3))  # writes y, reads the weight, the values and scales
 
-def test_a_chunk_takes_the_tiles_only_for_a_big_weight():
-  """A prefill chunk's rows take the integer tiles for a weight whose float copy is at least GEMM_MIN_FLOAT_BYTES, the
-  float GEMM for a smaller one (its float copy stays in cache), and one row the GEMV whatever the size."""
+def test_a_chunk_takes_the_tiles_only_for_a_big_weight_without_vnni(monkeypatch):
+  """Without VNNI a prefill chunk's rows take the integer tiles for a weight whose float copy is at least
+  GEMM_MIN_FLOAT_BYTES, the float GEMM for a smaller one (its float copy stays in cache); with VNNI the tiles whatever
+  the size; one row the GEMV whatever the size."""
   rng = np.random.default_rng(5)
   k, n = 1024, intdot.GEMM_MIN_FLOAT_BYTES // 4 // 1024
   big = QTensor(Tensor(_blocks(rng, "Q4_0", n, k)).realize(), QT["Q4_0"], (n, k))
   small = QTensor(Tensor(_blocks(rng, "Q4_0", 64, k)).realize(), QT["Q4_0"], (64, k))
   x = Tensor(rng.standard_normal((1, 32, k)).astype(np.float32))
   tiled = lambda t: any("intdot" in u.arg.name for u in t.uop.toposort() if u.op is Ops.SINK and hasattr(u.arg, "name"))
-  with settings.override(numerics="llama.cpp"):
+  with settings.override(numerics="llama.cpp") as s:
+    assert tiled(linear(x, big)) and tiled(linear(x[:, :1], small)) and tiled(linear(x, small)) == s.caps.int_dot_vnni
+  monkeypatch.setenv("TG_DS4_VNNI", "0")
+  with settings.override(numerics="llama.cpp") as s:
+    assert not s.caps.int_dot_vnni
     assert tiled(linear(x, big)) and not tiled(linear(x, small)) and tiled(linear(x[:, :1], small))
 
 @pytest.mark.skipif(not backend.capabilities("CPU").int_dot_vnni, reason="needs AVX-512 VNNI or AVX-VNNI")

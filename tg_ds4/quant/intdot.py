@@ -34,9 +34,10 @@ assert set(FORMATS) == set(backend.INT_DOT_FORMATS)
 MAX_ROWS = 8                        # rows of x per weight matrix kept in registers (8 accumulators of 8 floats)
 MAX_TILES = 16                      # a prefill chunk's rows against one weight (ungathered): up to this many tiles of
                                     # MAX_ROWS rows, each weight row unpacked once per tile while it sits in L1
-# a prefill chunk takes the tiles only for a weight whose float32 copy would be at least this big: the float GEMM
-# writes that copy once per chunk and reads it back, which a weight too big to stay in the cores' caches pays for in
-# memory traffic; a small one (a 135M model's) stays in cache and its float GEMM outruns the integer tiles
+# without VNNI a prefill chunk takes the tiles only for a weight whose float32 copy would be at least this big: the
+# float GEMM writes that copy once per chunk and reads it back, which a weight too big to stay in the cores' caches pays
+# for in memory traffic; a small one (a 135M model's) stays in cache, and its float GEMM (quant/cgemm.py) keeps up with
+# tiles that take two instructions per block dot. With VNNI's one the tiles are faster at every size.
 GEMM_MIN_FLOAT_BYTES = 8 << 20
 
 def takes(w) -> bool:
@@ -61,15 +62,17 @@ def repacked(w) -> bool:
 
 def applies(x: Tensor, w) -> bool:
   """For a `w` this path `takes`: whether `linear(x, w)` fits it: ungathered or gathered once on the leading axis, at
-  most MAX_ROWS rows of x per weight matrix (an ungathered one at least GEMM_MIN_FLOAT_BYTES as float32: a multiple of
-  MAX_ROWS, up to MAX_TILES tiles of them, where the CPU's capabilities allow: a prefill chunk), static shapes."""
+  most MAX_ROWS rows of x per weight matrix (an ungathered one, without VNNI at least GEMM_MIN_FLOAT_BYTES as float32:
+  a multiple of MAX_ROWS, up to MAX_TILES tiles of them, where the CPU's capabilities allow: a prefill chunk), static
+  shapes."""
   if len(w._src[1]) > 1 or not all(isinstance(s, int) for s in (*x.shape, *w.shape)) or x.shape[-1] != w.shape[-1]: return False
   if w._src[1] and not (isinstance(w._src[1][0], Tensor) and w._src[0].ndim == 4): return False
   if not (lead := w.shape[:-2]):                                           # every leading axis of x is rows
     R = prod(x.shape[:-1])
     if R <= MAX_ROWS: return True
-    return (settings.current(str(w.device)).caps.int_gemm and R % MAX_ROWS == 0 and R <= MAX_TILES * MAX_ROWS
-            and prod(w.shape) * 4 >= GEMM_MIN_FLOAT_BYTES)
+    caps = settings.current(str(w.device)).caps
+    return (caps.int_gemm and R % MAX_ROWS == 0 and R <= MAX_TILES * MAX_ROWS
+            and (caps.int_dot_vnni or prod(w.shape) * 4 >= GEMM_MIN_FLOAT_BYTES))
   return x.ndim >= 2 and x.shape[-2] <= MAX_ROWS and x.ndim - 2 <= len(lead)
 
 # one output row (`@R@`: the flat index over matrix x output row) against R rows of x; the format's unpack
