@@ -2,6 +2,7 @@
 from math import prod
 
 from tg_ds4.nn.layers import Linear, packed_weights
+from tg_ds4.quant import activations
 from tg_ds4.quant.formats import K_WIDENED, q5_0_as_q8_0, widen_k_quant
 
 WIDEN_K_MAX_EXTRA = 1 << 30  # K-quant widening is skipped when it would add more bytes than this (a big model)
@@ -25,4 +26,5 @@ def prepare(model, settings) -> None:
   format. Q5_0 stays packed where its GEMVs take integer dot products (quant/intdot.py unpacks its fifth bits for less
   than the bytes a widened copy reads)."""
   if settings.caps.widen_weights and settings.numerics != "llama.cpp":
-    widen_for_cpu(model, q5_0=settings.numerics == "exact" or "Q5_0" not in settings.caps.int_dot_formats)
+    with settings.active(): q5_0 = not activations.rounds("Q5_0", settings.caps.device)
+    widen_for_cpu(model, q5_0=q5_0)

@@ -5,7 +5,8 @@ accumulator per (row, output), which clang vectorizes across the outputs but the
 accumulator alive around the loop and spills them (a 128 x 4864 x 896 product ran at half the speed of the same loop
 with vector accumulators).
 
-The sums are the ones tinygrad's kernel computes: per output, acc = fma(x[k], w[k], acc) for k in order from 0, then
+Vectors are loaded and stored at 4-byte alignment: a panel's offsets are whole vectors, its buffer's base is whatever
+the allocator gave. The sums are the ones tinygrad's kernel computes: per output, acc = fma(x[k], w[k], acc) for k in order from 0, then
 the bias added once. A row's result does not depend on the rows beside it."""
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def _source(rows: int, k: int, panels: int, n: int, tokens: int, per: int) -> st
   store = "".join(f"__builtin_memcpy((float *)@OUT@ + (long)(g_ * {tokens} + {t}) * {out} + (pg_ * {per} + {q}) * {n}, &a{t}_{q}_, {4 * n});"
                   for t in range(tokens) for q in range(per))
   xs = "".join(f"const float *x_{t} = (const float *)@X@ + (long)(g_ * {tokens} + {t}) * {k};" for t in range(tokens))
-  return f"""({{ typedef float v_ __attribute__((vector_size({4 * n}))); const v_ zero_ = {{0}};
+  return f"""({{ typedef float v_ __attribute__((vector_size({4 * n}), aligned(4))); const v_ zero_ = {{0}};
   const int pg_ = @R@ / {groups}, g_ = @R@ % {groups};
   const float *p_ = (const float *)@P@ + (long)pg_ * {per * k * n};
   {xs}
