@@ -54,13 +54,15 @@ class Capabilities:
                             # same integers, as no int16 pair sum of these formats reaches the saturation bound
   c_gemm: tuple[int, int] | None  # (rows, outputs) per statement of a prefill chunk's float GEMM over a panel copy as our
                             # C kernel with vector accumulators (quant/cgemm.py), where tinygrad's renders them scalar
+  c_attention: tuple[int, int] | None  # (float lanes, vector registers) of the CPU's vector unit for MLA's attention as our C
+                            # kernel (nn/mla_kernel.py: scores, softmax and attn·v in one pass over the cache rows)
   widen_weights: bool       # dense weights in formats the CPU's code handles slowly re-encoded at load (models/widen.py)
 
 INT_DOT_FORMATS = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})  # the weight formats quant/intdot.py has kernels for
 
 def capabilities(device: str | None = None) -> Capabilities:
   """`device`'s capabilities under the current TG_DS4_* knobs: `TG_DS4_AFFINE_GEMV=0`, `TG_DS4_EXPERT_TILES=0`,
-  `TG_DS4_INT_DOT=0`, `TG_DS4_INT_GEMM=0`, `TG_DS4_C_GEMM=0`, `TG_DS4_VNNI=0` and `TG_DS4_WIDEN=0` turn their field off;
+  `TG_DS4_INT_DOT=0`, `TG_DS4_INT_GEMM=0`, `TG_DS4_C_GEMM=0`, `TG_DS4_C_ATTENTION=0`, `TG_DS4_VNNI=0` and `TG_DS4_WIDEN=0` turn their field off;
   `TG_DS4_KERNEL_OPTS=0` (or another tinygrad release) the forms made for our kernel heuristic."""
   device = Device.canonicalize(device or Device.DEFAULT)
   ren, on = Device[device].renderer, lambda knob: os.environ.get(knob, "1") != "0"
@@ -72,11 +74,15 @@ def capabilities(device: str | None = None) -> Capabilities:
     expert_tiles=cpu_forms and on("TG_DS4_EXPERT_TILES"), rotated_q_stored=cpu_forms, norm_stored=cpu_forms, absorb_gemm=cpu_forms and opts,
     int_dot_formats=INT_DOT_FORMATS if int_dot else frozenset(), int_gemm=int_dot and on("TG_DS4_INT_GEMM"),
     int_dot_vnni=int_dot and _vnni_cpu() and on("TG_DS4_VNNI"), c_gemm=_cpu_gemm() if int_dot and opts and on("TG_DS4_C_GEMM") else None,
-    widen_weights=on_cpu(device) and on("TG_DS4_WIDEN"))
+    c_attention=_cpu_unit() if int_dot and opts and on("TG_DS4_C_ATTENTION") else None, widen_weights=on_cpu(device) and on("TG_DS4_WIDEN"))
 
 def _cpu_gemm() -> tuple[int, int]:
   from tg_ds4.backend.cpu.kernel_opts import CPU  # as _cpu_panel
   return CPU.gemm
+
+def _cpu_unit() -> tuple[int, int]:
+  from tg_ds4.backend.cpu.kernel_opts import CPU  # as _cpu_panel
+  return CPU.floats, CPU.registers
 
 def _cpu_panel() -> int:
   from tg_ds4.backend.cpu.kernel_opts import CPU  # imported only where compat allows (it patches tinygrad's internals)

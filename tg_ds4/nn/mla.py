@@ -10,11 +10,12 @@ from tinygrad import Device, Tensor, UOp, dtypes
 from tg_ds4.backend.buffers import zeros
 from tg_ds4.config import ModelConfig
 from tg_ds4.nn.cache_rows import Rows, slot_rows, store_rows
+from tg_ds4.nn import mla_kernel
 from tg_ds4.nn.layers import Linear, Param, Params, RMSNorm, matmul_input
 from tg_ds4.nn.rope import apply_rope
 from tg_ds4.quant.activations import round_activations
 from tg_ds4.quant.formats import QTensor, Weight, dot_lanes, linear
-from tg_ds4.quant import settings
+from tg_ds4.quant import ckernel, settings
 
 
 def causal_mask(T: int, start_pos: int | UOp, window: int = 0) -> Tensor | None:
@@ -77,7 +78,10 @@ class MLA:
     k_new = self.attn_kv_a_norm(kv[..., :L], per_element=True).cat(apply_rope(kv[..., L:], rope, start_pos, cfg.rope.type), dim=-1)
     # every row's new cache rows stored at once (one store per cache buffer per forward), before any row reads them
     cache, keys, o = store_rows(self.cache, k_new, rows), self.stored_keys(x, rows, rope), []
-    for b, (s, p) in enumerate(rows):  # each row over its own slot's rows (nn/cache_rows.py)
+    if self.kernel_attends(rows):  # every row's attention over its slot's rows as one C kernel (nn/mla_kernel.py)
+      o = [mla_kernel.attention(q[b].transpose(0, 1), cache, s, p, L, cfg.kq_scale, settings.current(x.device).caps.c_attention)
+           .transpose(0, 1).unsqueeze(0) for b, (s, p) in enumerate(rows)]
+    for b, (s, p) in enumerate(rows if not o else ()):  # each row over its own slot's rows (nn/cache_rows.py)
       one = (lambda t: t) if len(rows) == 1 else (lambda t: None if t is None else t[b:b + 1])
       sh = shared if len(rows) == 1 or shared is None else shared.setdefault(("row", b), {})
       k, mask = self.rows(cache, keys, s, one(x), one(qr), p, rope, sh)                # [1,1,n,L+R], [T,n]
@@ -94,6 +98,13 @@ class MLA:
     # a chunk's heads laid out token-major first: read through the transpose, the attn_output GEMM's reduction splits
     # into head and value axes and misses kernel_opts' GEMM shape
     return self.attn_output(o.contiguous() if T > 1 else o)
+
+  def kernel_attends(self, rows: Rows) -> bool:
+    """Whether the rows' attention takes nn/mla_kernel.py's C kernel: on a device that has it, over all of a slot's cache
+    rows (this class's `rows`; DSA's selected ones are not a prefix), at an int or variable position and slot."""
+    L, D = self.cfg.kv_lora_rank, self.cfg.kv_lora_rank + self.cfg.rope.dim
+    return type(self).rows is MLA.rows and mla_kernel.applies(D, L, self.cache, settings.current(self.cache.device).caps.c_attention) and \
+      all(ckernel.bound_variable(s) and ckernel.bound_variable(p) for s, p in rows)
 
   def stored_keys(self, x: Tensor, rows: Rows, rope: Tensor) -> Tensor | None:
     """A second per-position cache some attentions keep (nn/dsa.py's DSA indexer keys) with this forward's rows stored; None."""

@@ -31,7 +31,7 @@ OPS = [(r"attn_(q|qk|q_a|q_b|q_a_norm|q_norm)\.", "attn q"), (r"attn_(kv_a_mqa|k
        (r"ffn_(gate|up|down|gate_up)\.", "ffn"), (r"^output\.", "head"), (r"hc_", "hyper-conn"), (r"sinks", "softmax"),
        (r"cache", "cache"), (r"norm", "norm"), (r"token_embd", "embed")]
 RANK = {op: i for i, (_, op) in enumerate(OPS)}
-CATEGORIES = ["embed", "norm", "attn q", "attn kv", "absorb", "scores", "softmax", "attn·v", "attn out", "indexer", "compressor",
+CATEGORIES = ["embed", "norm", "attn q", "attn kv", "absorb", "scores", "softmax", "attn·v", "attention", "attn out", "indexer", "compressor",
               "hyper-conn", "router", "top-k", "experts", "shared expert", "ffn", "head", "sampling", "other"]
 
 def named_buffers(obj) -> dict:
@@ -63,7 +63,8 @@ def attribute(kernels: list[dict]) -> None:
   for i, k in enumerate(kernels):
     row = m.group(0) if (m := re.search(r"start_pos|pos\d+", k["name"])) else None
     prev = row_phase.get(row, phase) if row else phase
-    if k["op"] == "cache":  # the cache write, the scores against it, or the weighted sum of its rows
+    if k["name"].startswith("mla_attention"): k["op"] = "attention"  # nn/mla_kernel.py: scores, softmax and attn·v in one
+    elif k["op"] == "cache":  # the cache write, the scores against it, or the weighted sum of its rows
       k["op"] = "attn·v" if prev in ("scores", "softmax") else "scores" if row else "attn kv"
     elif k["op"] is None:
       nxt = next((kernels[j] for j in range(i + 1, len(kernels)) if labelled[j]), None)
