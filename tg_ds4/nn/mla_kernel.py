@@ -124,8 +124,8 @@ def attention(q: Tensor, cache: Tensor, slot: int | UOp, start_pos: int | UOp, L
     bufs, vals = params[:len(srcs)], params[len(srcs):]
     t, i = UOp.range(threads, 0, AxisType.THREAD), UOp.range(count // threads, 1)
     r = t * (count // threads) + i
-    n = T * (max_ctx if not isinstance(start_pos, int) else start_pos + T)  # an estimate: the rows a full cache would have
-    est = Estimates(ops=2 * H * n * (D + L), lds=4 * (count * n * D + T * H * D), mem=4 * (n // T * D + T * H * (D + L)))
+    rows = vals[0] + T  # cache rows the last token sees (the kernel's position parameter: symbolic in a captured step)
+    est = Estimates(ops=2 * H * T * rows * (D + L), lds=4 * (count * rows * D + T * H * D), mem=4 * (rows * D + T * H * (D + L)))
     info = KernelInfo(name=f"mla_attention_{T}_{H}_{D}", estimates=est)
     return ckernel.statement_kernel(body, bufs, {0: r * RB * L}, r, (i, t), info, scalars=vals)
   return ckernel.call(kernel, list(srcs.values()), list(scalars.values()))[0].reshape(T, H, L)

@@ -130,8 +130,9 @@ class LlamaSide:
   def once(self) -> None:
     llm = self.llm
     llm.reset(); t0 = time.perf_counter(); llm.eval(self.prompt); t1 = time.perf_counter()
-    for _ in range(self.gen - 1):
-      s = time.perf_counter(); llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))]); self.steps.append(time.perf_counter() - s)
+    for _ in range(self.gen - 1):  # the last logits from the context: llm.scores holds none without logits_all
+      s = time.perf_counter(); llm.eval([int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))])
+      self.steps.append(time.perf_counter() - s)
     self.prefill.append(len(self.prompt) / (t1 - t0))
 
   def result(self) -> dict:
