@@ -12,7 +12,7 @@ from tg_ds4.runtime.sampling import greedy
 from tg_ds4.tools.profile import CATEGORIES, profile_model, write
 
 DS3 = pathlib.Path(__file__).parent / "fixtures" / "deepseek2" / "ds3" / "ds3-Q4_0.gguf"
-# MLA's attention: one kernel (nn/mla_kernel.py) where the CPU has it, else scores, softmax and the weighted sum
+# MLA's attention: one kernel (nn/attention_kernel.py) where the CPU has it, else scores, softmax and the weighted sum
 KERNEL = backend.capabilities("CPU").c_attention is not None
 ATTENTION = {"attention"} if KERNEL else {"scores", "softmax", "attn·v"}
 
@@ -61,5 +61,5 @@ def test_batched_step_profiled():
   assert all(k["time_s"] > 0 for k in d["kernels"])
   assert {"absorb", *ATTENTION, "router", "experts", "shared expert", "head"} <= set(d["by_op"])
   ops = [k["op"] for k in d["kernels"] if k["block"] == "blk.1"]
-  if KERNEL: assert sum(k["name"].startswith("mla_attention") for k in d["kernels"] if k["block"] == "blk.1") == 4  # each row's own
+  if KERNEL: assert sum(k["name"].startswith("attention_") for k in d["kernels"] if k["block"] == "blk.1") == 4  # each row's own
   else: assert ops.count("scores") == 4 and ops.index("scores") < ops.index("softmax") < ops.index("attn·v")  # each row's own

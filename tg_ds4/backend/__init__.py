@@ -54,8 +54,8 @@ class Capabilities:
                             # same integers, as no int16 pair sum of these formats reaches the saturation bound
   c_gemm: tuple[int, int] | None  # (rows, outputs) per statement of a prefill chunk's float GEMM over a panel copy as our
                             # C kernel with vector accumulators (quant/cgemm.py), where tinygrad's renders them scalar
-  c_attention: tuple[int, int] | None  # (float lanes, vector registers) of the CPU's vector unit for MLA's attention as our C
-                            # kernel (nn/mla_kernel.py: scores, softmax and attn·v in one pass over the cache rows)
+  c_attention: tuple[int, int] | None  # (float lanes, vector registers) of the CPU's vector unit for MLA's and GQA's attention
+                            # as our C kernel (nn/attention_kernel.py: scores, softmax and attn·v in one pass over the cache)
   widen_weights: bool       # dense weights in formats the CPU's code handles slowly re-encoded at load (models/widen.py)
 
 INT_DOT_FORMATS = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"})  # the weight formats quant/intdot.py has kernels for

@@ -6,11 +6,12 @@ from tinygrad import Device, Tensor, UOp, dtypes
 
 from tg_ds4.backend.buffers import zeros
 from tg_ds4.config import ModelConfig
+from tg_ds4.nn import attention_kernel
 from tg_ds4.nn.cache_rows import Rows, slot_rows, store_rows
 from tg_ds4.nn.layers import Linear, RMSNorm
 from tg_ds4.nn.mla import causal_mask
 from tg_ds4.nn.rope import apply_rope
-from tg_ds4.quant import settings
+from tg_ds4.quant import ckernel, settings
 
 
 class GQA:
@@ -75,6 +76,10 @@ class GQA:
   def _attend(self, q: Tensor, cache: Tensor, slot: int | UOp, start_pos: int | UOp) -> Tensor:
     """q `[B,T,H,D]` (normed, rotated) over rows [0, start_pos + T) of one slot of `cache` `[slots,max_ctx,KV,D+Dv]` -> `[B,T,H*Dv]`."""
     cfg, (B, T, H, D), KV, Dv = self.cfg, q.shape, cache.shape[2], self.cfg.v_head_dim
+    lay, unit = attention_kernel.Layout.kv(KV, D, Dv), settings.current(cache.device).caps.c_attention
+    if B == 1 and attention_kernel.applies(lay, H, cache, unit) and ckernel.bound_variable(slot) and ckernel.bound_variable(start_pos):
+      # scores, softmax and attn·v in one pass over the slot's cache rows (nn/attention_kernel.py)
+      return attention_kernel.attention(q[0], cache, slot, start_pos, lay, cfg.kq_scale, unit, self.window).reshape(1, T, H * Dv)
     q = q.transpose(1, 2).reshape(B, KV, H // KV, T, D)                  # heads grouped by the KV head they share
     mask = causal_mask(T, start_pos, self.window)
     if T == 1 and D % 16 == 0 and Dv % 16 == 0:

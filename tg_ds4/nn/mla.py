@@ -10,7 +10,7 @@ from tinygrad import Device, Tensor, UOp, dtypes
 from tg_ds4.backend.buffers import zeros
 from tg_ds4.config import ModelConfig
 from tg_ds4.nn.cache_rows import Rows, slot_rows, store_rows
-from tg_ds4.nn import mla_kernel
+from tg_ds4.nn import attention_kernel
 from tg_ds4.nn.layers import Linear, Param, Params, RMSNorm, matmul_input
 from tg_ds4.nn.rope import apply_rope
 from tg_ds4.quant.activations import round_activations
@@ -78,9 +78,10 @@ class MLA:
     k_new = self.attn_kv_a_norm(kv[..., :L], per_element=True).cat(apply_rope(kv[..., L:], rope, start_pos, cfg.rope.type), dim=-1)
     # every row's new cache rows stored at once (one store per cache buffer per forward), before any row reads them
     cache, keys, o = store_rows(self.cache, k_new, rows), self.stored_keys(x, rows, rope), []
-    if self.kernel_attends(rows):  # every row's attention over its slot's rows as one C kernel (nn/mla_kernel.py)
-      o = [mla_kernel.attention(q[b].transpose(0, 1), cache, s, p, L, cfg.kq_scale, settings.current(x.device).caps.c_attention)
-           .transpose(0, 1).unsqueeze(0) for b, (s, p) in enumerate(rows)]
+    if self.kernel_attends(rows):  # every row's attention over its slot's rows as one C kernel (nn/attention_kernel.py)
+      lay, unit = attention_kernel.Layout.latent(L + cfg.rope.dim, L), settings.current(x.device).caps.c_attention
+      o = [attention_kernel.attention(q[b].transpose(0, 1), cache, s, p, lay, cfg.kq_scale, unit).transpose(0, 1).unsqueeze(0)
+           for b, (s, p) in enumerate(rows)]
     for b, (s, p) in enumerate(rows if not o else ()):  # each row over its own slot's rows (nn/cache_rows.py)
       one = (lambda t: t) if len(rows) == 1 else (lambda t: None if t is None else t[b:b + 1])
       sh = shared if len(rows) == 1 or shared is None else shared.setdefault(("row", b), {})
@@ -100,10 +101,11 @@ class MLA:
     return self.attn_output(o.contiguous() if T > 1 else o)
 
   def kernel_attends(self, rows: Rows) -> bool:
-    """Whether the rows' attention takes nn/mla_kernel.py's C kernel: on a device that has it, over all of a slot's cache
-    rows (this class's `rows`; DSA's selected ones are not a prefix), at an int or variable position and slot."""
-    L, D = self.cfg.kv_lora_rank, self.cfg.kv_lora_rank + self.cfg.rope.dim
-    return type(self).rows is MLA.rows and mla_kernel.applies(D, L, self.cache, settings.current(self.cache.device).caps.c_attention) and \
+    """Whether the rows' attention takes nn/attention_kernel.py's C kernel: on a device that has it, over all of a slot's
+    cache rows (this class's `rows`; DSA's selected ones are not a prefix), at an int or variable position and slot."""
+    L, cfg = self.cfg.kv_lora_rank, self.cfg
+    return type(self).rows is MLA.rows and attention_kernel.applies(attention_kernel.Layout.latent(L + cfg.rope.dim, L), cfg.n_head,
+                                                                   self.cache, settings.current(self.cache.device).caps.c_attention) and \
       all(ckernel.bound_variable(s) and ckernel.bound_variable(p) for s, p in rows)
 
   def stored_keys(self, x: Tensor, rows: Rows, rope: Tensor) -> Tensor | None:

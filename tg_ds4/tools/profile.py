@@ -63,7 +63,7 @@ def attribute(kernels: list[dict]) -> None:
   for i, k in enumerate(kernels):
     row = m.group(0) if (m := re.search(r"start_pos|pos\d+", k["name"])) else None
     prev = row_phase.get(row, phase) if row else phase
-    if k["name"].startswith("mla_attention"): k["op"] = "attention"  # nn/mla_kernel.py: scores, softmax and attn·v in one
+    if k["name"].startswith("attention_"): k["op"] = "attention"  # nn/attention_kernel.py: scores, softmax and attn·v in one
     elif k["op"] == "cache":  # the cache write, the scores against it, or the weighted sum of its rows
       k["op"] = "attn·v" if prev in ("scores", "softmax") else "scores" if row else "attn kv"
     elif k["op"] is None:

@@ -1,0 +1,167 @@
+"""Attention over a KV cache as one C kernel on the CPU: scores, softmax and attn·v of a decode step or a prefill chunk
+in one pass over the cache rows, flash-attention style. MLA's latent cache (nn/mla.py: one row per position, its first
+columns the values) and GQA's K/V cache (nn/gqa.py: per position and KV head a key then a value) are the same walk with
+other offsets.
+
+tinygrad renders the three as separate kernels over the symbolic count of cache rows, and a chunk's attn·v as one
+scalar chain per (query, value column): at a few thousand cached positions the attention cost more than every weight
+of the step. Here each statement owns a block of query rows (heads of one token that share a KV head) and walks the
+cache rows in blocks: the block's scores as register tiles of rows by keys (each key vector loaded once for the rows),
+then per row the running maximum, the block's probabilities and the rescaled sums, then the block's values added into
+the rows' accumulators, a pair of vectors of value columns at a time for all rows. Rows are split over the threads; a
+row's result does not depend on which other rows run with it.
+
+The arithmetic is the attention's, in another order: scores `q·k * scale`, each row's softmax kept as a running maximum
+and sum (exp by Cephes' expf polynomial), the output the probability-weighted sum of the values divided by the sum. A
+chunk's query at token t sees the cache rows up to start_pos + t (the causal mask), and with a sliding window only the
+last `window` of them. The start position and the cache slot may be symbolic (a captured step's variables: the kernel
+takes them as parameters)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tinygrad import Tensor, dtypes
+
+from tg_ds4.backend.compat import AxisType, Estimates, KernelInfo, UOp
+from tg_ds4.quant import ckernel
+
+KEYS_PER_BLOCK = 64  # cache rows per softmax block: the block's scores and probabilities stay in L1
+
+@dataclass(frozen=True)
+class Layout:
+  """Where a cache row `[slots, max_ctx, kv_heads * head]` holds each KV head's key and value (floats): KV head g's key
+  is `key_dim` floats from g * head, its value `value_dim` floats from g * head + value_offset."""
+  kv_heads: int
+  key_dim: int
+  value_dim: int
+  value_offset: int
+  head: int
+
+  @staticmethod
+  def latent(width: int, values: int) -> Layout:
+    """MLA's: one row of `width` per position serving as every head's key, its first `values` columns the value."""
+    return Layout(1, width, values, 0, width)
+
+  @staticmethod
+  def kv(kv_heads: int, key_dim: int, value_dim: int) -> Layout:
+    """GQA's: per KV head a key of key_dim then a value of value_dim."""
+    return Layout(kv_heads, key_dim, value_dim, key_dim, key_dim + value_dim)
+
+def applies(layout: Layout, heads: int, cache: Tensor, unit: tuple[int, int] | None) -> bool:
+  """Whether the CPU's vector `unit` (float lanes, registers; None: no such kernel on this device) tiles `heads` query
+  heads over a float32 cache of this layout."""
+  return unit is not None and cache.dtype == dtypes.float32 and heads % layout.kv_heads == 0 and layout.key_dim % unit[0] == 0 \
+    and layout.value_dim % (2 * unit[0]) == 0
+
+def _rows(group: int, registers: int) -> int:
+  """Query rows per statement: heads of one token sharing a KV head, as many as half the vector registers hold two
+  vectors of each for (8 with AVX-512's 32 registers, 4 with AVX2's 16), fewer where the group is not a multiple."""
+  most = 8 if registers >= 32 else 4
+  return max(r for r in range(1, most + 1) if group % r == 0)
+
+def _hsum(v: str, floats: int) -> str:
+  """A C expression: the sum of vector `v`'s lanes, halves added pairwise."""
+  expr, n = v, floats
+  while n > 1:
+    n //= 2
+    lo, hi = ", ".join(str(i) for i in range(n)), ", ".join(str(i + n) for i in range(n))
+    expr = f"(__builtin_shufflevector({expr}, {expr}, {lo}) + __builtin_shufflevector({expr}, {expr}, {hi}))"
+  return expr
+
+# Cephes' expf on a vector x_ -> p_: e^x = 2^k e^y, k = round(x log2 e), y = x - k ln 2 in two parts, e^y a degree-7
+# polynomial; at or below -87 (a masked key's -inf) zero
+_EXP = ("x_ = __builtin_elementwise_max(x_, lo_);"
+        "const v_ k_ = __builtin_elementwise_floor(x_ * 1.44269504088896341f + 0.5f);"
+        "v_ y_ = x_ - k_ * 0.693359375f; y_ = y_ + k_ * 2.12194440e-4f; const v_ z_ = y_ * y_;"
+        "v_ p_ = (((((1.9875691500e-4f * y_ + 1.3981999507e-3f) * y_ + 8.3334519073e-3f) * y_ + 4.1665795894e-2f) * y_"
+        " + 1.6666665459e-1f) * y_ + 5.0000001201e-1f) * z_ + y_ + 1.0f;"
+        "const vi_ e_ = (__builtin_convertvector(k_, vi_) + 127) << 23; v_ f_; __builtin_memcpy(&f_, &e_, sizeof(f_));"
+        "p_ = p_ * f_; const vi_ keep_ = x_ > lo_; vi_ pb_; __builtin_memcpy(&pb_, &p_, sizeof(p_)); pb_ = pb_ & keep_;"
+        "__builtin_memcpy(&p_, &pb_, sizeof(p_));")
+
+def _source(H: int, lay: Layout, max_ctx: int, scale: float, window: int, unit: tuple[int, int]) -> str:
+  """Statement `@R@`: query rows [h0, h0 + RB) of token t of `[T, H, key_dim]` Q over cache slot @SLOT@'s rows up to
+  @POS@ + t (the last `window` of them where a window is set) -> the same rows of `[T, H, value_dim]` OUT."""
+  (W, registers), G = unit, H // lay.kv_heads
+  RB, KB, D, Dv, row = _rows(G, registers), KEYS_PER_BLOCK, lay.key_dim, lay.value_dim, lay.kv_heads * lay.head
+  KS = 4 if registers >= 32 else 2       # keys per score tile (up to 4 rows by KS keys of accumulators)
+  groups = [(r, min(4, RB - r)) for r in range(0, RB, 4)]
+  sc = f"{float(scale).hex()}f"  # a hex literal: the float32 nearest the scale, as tinygrad's cast of it
+
+  def tile(keys: int) -> str:
+    out = []
+    for r0, rs in groups:
+      acc = "".join(f"v_ a{i}_{k} = zero_;" for i in range(rs) for k in range(keys))
+      loads = "".join(f"const v_ k{k} = *(const v_ *)(c_ + (long)(j0_ + kk_ + {k}) * {row} + d_);" for k in range(keys)) + \
+        "".join(f"const v_ q{i} = *(const v_ *)(q_ + {(r0 + i) * D} + d_);" for i in range(rs))
+      fma = "".join(f"a{i}_{k} = a{i}_{k} + q{i} * k{k};" for i in range(rs) for k in range(keys))
+      res = "".join(f"s_[{r0 + i}][kk_ + {k}] = {_hsum(f'a{i}_{k}', W)} * {sc};" for i in range(rs) for k in range(keys))
+      out.append(f"{{ {acc} for (int d_ = 0; d_ < {D}; d_ += {W}) {{ {loads} {fma} }} {res} }}")
+    return " ".join(out)
+
+  vals_acc = "".join(f"v_ o{i}_{v} = *(v_ *)(&acc_[{i}][c_l + {v * W}]) * corr_[{i}];" for i in range(RB) for v in range(2))
+  vals_load = "".join(f"const v_ x{v} = *(const v_ *)(c_ + (long)(j0_ + kk_) * {row} + {lay.value_offset} + c_l + {v * W});"
+                      for v in range(2))
+  vals_fma = "".join(f"o{i}_{v} = o{i}_{v} + s_[{i}][kk_] * x{v};" for i in range(RB) for v in range(2))
+  vals_store = "".join(f"*(v_ *)(&acc_[{i}][c_l + {v * W}]) = o{i}_{v};" for i in range(RB) for v in range(2))
+  first = f"n_ > {window} ? n_ - {window} : 0" if window else "0"
+  return f"""({{ typedef float v_ __attribute__((vector_size({4 * W}), aligned(4)));
+  typedef int vi_ __attribute__((vector_size({4 * W}), aligned(4)));
+  const v_ zero_ = {{0}}, lo_ = zero_ - 87.0f;
+  const int t_ = @R@ / {H // RB}, g_ = (@R@ % {H // RB}) / {G // RB}, h0_ = (@R@ % {H // RB}) * {RB};
+  const int n_ = (int)@POS@ + t_ + 1, start_ = {first};
+  const float *q_ = (const float *)@Q@ + ((long)t_ * {H} + h0_) * {D};
+  const float *c_ = (const float *)@C@ + (long)@SLOT@ * {max_ctx} * {row} + (long)g_ * {lay.head};
+  float m_[{RB}], l_[{RB}], corr_[{RB}], s_[{RB}][{KB}] __attribute__((aligned(64)));
+  float acc_[{RB}][{Dv}] __attribute__((aligned(64)));
+  for (int i_ = 0; i_ < {RB}; i_++) {{ m_[i_] = -__builtin_inff(); l_[i_] = 0.0f; for (int c_l = 0; c_l < {Dv}; c_l++) acc_[i_][c_l] = 0.0f; }}
+  for (int j0_ = start_; j0_ < n_; j0_ += {KB}) {{
+    const int nb_ = n_ - j0_ < {KB} ? n_ - j0_ : {KB};
+    int kk_ = 0;
+    for (; kk_ + {KS} <= nb_; kk_ += {KS}) {{ {tile(KS)} }}
+    for (; kk_ < nb_; kk_++) {{ {tile(1)} }}
+    for (int i_ = 0; i_ < {RB}; i_++) {{
+      for (kk_ = nb_; kk_ < {KB}; kk_++) s_[i_][kk_] = -__builtin_inff();
+      v_ mv_ = *(const v_ *)&s_[i_][0];
+      for (kk_ = {W}; kk_ < {KB}; kk_ += {W}) mv_ = __builtin_elementwise_max(mv_, *(const v_ *)&s_[i_][kk_]);
+      float mx_ = __builtin_reduce_max(mv_); mx_ = mx_ > m_[i_] ? mx_ : m_[i_];
+      v_ sv_ = zero_;
+      for (kk_ = 0; kk_ < {KB}; kk_ += {W}) {{ v_ x_ = *(const v_ *)&s_[i_][kk_] - mx_; {_EXP} *(v_ *)&s_[i_][kk_] = p_; sv_ = sv_ + p_; }}
+      {{ v_ x_ = zero_ + (m_[i_] - mx_); {_EXP} corr_[i_] = p_[0]; }}
+      l_[i_] = l_[i_] * corr_[i_] + {_hsum("sv_", W)}; m_[i_] = mx_;
+    }}
+    for (int c_l = 0; c_l < {Dv}; c_l += {2 * W}) {{
+      {vals_acc}
+      for (kk_ = 0; kk_ < nb_; kk_++) {{ {vals_load} {vals_fma} }}
+      {vals_store}
+    }}
+  }}
+  float *o_ = (float *)@OUT@ + ((long)t_ * {H} + h0_) * {Dv};
+  for (int i_ = 0; i_ < {RB}; i_++) {{
+    const float inv_ = 1.0f / l_[i_]; for (int c_l = 0; c_l < {Dv}; c_l++) o_[i_ * {Dv} + c_l] = acc_[i_][c_l] * inv_; }}
+}});"""
+
+def attention(q: Tensor, cache: Tensor, slot: int | UOp, start_pos: int | UOp, layout: Layout, scale: float, unit: tuple[int, int],
+              window: int = 0) -> Tensor:
+  """q `[T, H, key_dim]` (token t at position start_pos + t; heads grouped by the KV head they share, in order) over rows
+  [0, start_pos + t + 1) of slot `slot` of `cache` `[slots, max_ctx, ...]` laid out as `layout` (with `window` only the
+  last `window` of them) -> `[T, H, value_dim]`: softmax(q k^T * scale) @ v per row, float32 (see the module docstring)."""
+  (T, H, _), max_ctx = q.shape, cache.shape[1]
+  RB = _rows(H // layout.kv_heads, unit[1])
+  count = T * H // RB
+  srcs = {"OUT": Tensor.empty(T * H * layout.value_dim, dtype=dtypes.float32, device=q.device), "Q": q.float().contiguous().flatten(),
+          "C": cache.flatten()}
+  scalars = {"POS": start_pos, "SLOT": slot}
+  body = ckernel.format_string(_source(H, layout, max_ctx, scale, window, unit), [*srcs, *scalars, "R"])
+  threads = ckernel.threads(str(q.device), count)
+  def kernel(*params: UOp) -> UOp:
+    bufs, vals = params[:len(srcs)], params[len(srcs):]
+    t, i = UOp.range(threads, 0, AxisType.THREAD), UOp.range(count // threads, 1)
+    r = t * (count // threads) + i
+    rows = vals[0] + T if not window else min(window, max_ctx)  # cache rows the last token sees (symbolic in a captured step)
+    D, Dv, row = layout.key_dim, layout.value_dim, layout.kv_heads * layout.head
+    est = Estimates(ops=2 * H * T * rows * (D + Dv), lds=4 * (count * rows * (D + Dv) + T * H * (D + Dv)),
+                    mem=4 * (rows * row + T * H * (D + Dv)))
+    info = KernelInfo(name=f"attention_{T}_{H}_{D}", estimates=est)
+    return ckernel.statement_kernel(body, bufs, {0: r * RB * layout.value_dim}, r, (i, t), info, scalars=vals)
+  return ckernel.call(kernel, list(srcs.values()), list(scalars.values()))[0].reshape(T, H, layout.value_dim)
