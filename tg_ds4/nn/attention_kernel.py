@@ -79,9 +79,10 @@ _EXP = ("x_ = __builtin_elementwise_max(x_, lo_);"
         "p_ = p_ * f_; const vi_ keep_ = x_ > lo_; vi_ pb_; __builtin_memcpy(&pb_, &p_, sizeof(p_)); pb_ = pb_ & keep_;"
         "__builtin_memcpy(&p_, &pb_, sizeof(p_));")
 
-def _source(H: int, lay: Layout, max_ctx: int, scale: float, window: int, unit: tuple[int, int]) -> str:
-  """Statement `@R@`: query rows [h0, h0 + RB) of token t of `[T, H, key_dim]` Q over cache slot @SLOT@'s rows up to
-  @POS@ + t (the last `window` of them where a window is set) -> the same rows of `[T, H, value_dim]` OUT."""
+def _source(H: int, lay: Layout, max_ctx: int, scale: float, window: int, unit: tuple[int, int], count: int) -> str:
+  """Statement `@R@` (of `count`; none past them): query rows [h0, h0 + RB) of token t of `[T, H, key_dim]` Q over cache
+  slot @SLOT@'s rows up to @POS@ + t (the last `window` of them where a window is set) -> the same rows of `[T, H,
+  value_dim]` OUT."""
   (W, registers), G = unit, H // lay.kv_heads
   RB, KB, D, Dv, row = _rows(G, registers), KEYS_PER_BLOCK, lay.key_dim, lay.value_dim, lay.kv_heads * lay.head
   KS = 4 if registers >= 32 else 2       # keys per score tile (up to 4 rows by KS keys of accumulators)
@@ -105,7 +106,7 @@ def _source(H: int, lay: Layout, max_ctx: int, scale: float, window: int, unit: 
   vals_fma = "".join(f"o{i}_{v} = o{i}_{v} + s_[{i}][kk_] * x{v};" for i in range(RB) for v in range(2))
   vals_store = "".join(f"*(v_ *)(&acc_[{i}][c_l + {v * W}]) = o{i}_{v};" for i in range(RB) for v in range(2))
   first = f"n_ > {window} ? n_ - {window} : 0" if window else "0"
-  return f"""({{ typedef float v_ __attribute__((vector_size({4 * W}), aligned(4)));
+  return f"""if (@R@ < {count}) ({{ typedef float v_ __attribute__((vector_size({4 * W}), aligned(4)));
   typedef int vi_ __attribute__((vector_size({4 * W}), aligned(4)));
   const v_ zero_ = {{0}}, lo_ = zero_ - 87.0f;
   const int t_ = @R@ / {H // RB}, g_ = (@R@ % {H // RB}) / {G // RB}, h0_ = (@R@ % {H // RB}) * {RB};
@@ -149,19 +150,21 @@ def attention(q: Tensor, cache: Tensor, slot: int | UOp, start_pos: int | UOp, l
   (T, H, _), max_ctx = q.shape, cache.shape[1]
   RB = _rows(H // layout.kv_heads, unit[1])
   count = T * H // RB
-  srcs = {"OUT": Tensor.empty(T * H * layout.value_dim, dtype=dtypes.float32, device=q.device), "Q": q.float().contiguous().flatten(),
-          "C": cache.flatten()}
+  # a decode step has few statements (2-4 for 16 heads): spread over all the threads even where they do not divide them,
+  # the output padded for the statements past the last that do nothing
+  threads, per = ckernel.uneven_threads(str(q.device), count)
+  srcs = {"OUT": Tensor.empty(threads * per * RB * layout.value_dim, dtype=dtypes.float32, device=q.device),
+          "Q": q.float().contiguous().flatten(), "C": cache.flatten()}
   scalars = {"POS": start_pos, "SLOT": slot}
-  body = ckernel.format_string(_source(H, layout, max_ctx, scale, window, unit), [*srcs, *scalars, "R"])
-  threads = ckernel.threads(str(q.device), count)
+  body = ckernel.format_string(_source(H, layout, max_ctx, scale, window, unit, count), [*srcs, *scalars, "R"])
   def kernel(*params: UOp) -> UOp:
     bufs, vals = params[:len(srcs)], params[len(srcs):]
-    t, i = UOp.range(threads, 0, AxisType.THREAD), UOp.range(count // threads, 1)
-    r = t * (count // threads) + i
+    t, i = UOp.range(threads, 0, AxisType.THREAD), UOp.range(per, 1)
+    r = t * per + i
     rows = vals[0] + T if not window else min(window, max_ctx)  # cache rows the last token sees (symbolic in a captured step)
     D, Dv, row = layout.key_dim, layout.value_dim, layout.kv_heads * layout.head
     est = Estimates(ops=2 * H * T * rows * (D + Dv), lds=4 * (count * rows * (D + Dv) + T * H * (D + Dv)),
                     mem=4 * (rows * row + T * H * (D + Dv)))
     info = KernelInfo(name=f"attention_{T}_{H}_{D}", estimates=est)
     return ckernel.statement_kernel(body, bufs, {0: r * RB * layout.value_dim}, r, (i, t), info, scalars=vals)
-  return ckernel.call(kernel, list(srcs.values()), list(scalars.values()))[0].reshape(T, H, layout.value_dim)
+  return ckernel.call(kernel, list(srcs.values()), list(scalars.values()))[0][:T * H * layout.value_dim].reshape(T, H, layout.value_dim)

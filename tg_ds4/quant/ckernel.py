@@ -43,6 +43,12 @@ def bound_variable(x) -> bool:
   """Whether `x` can be a scalar of `call`: an int, or a variable bound to a value (not an expression of one)."""
   return isinstance(x, int) or (isinstance(x, UOp) and x.is_bound_var)
 
+def uneven_threads(device: str, n: int) -> tuple[int, int]:
+  """(threads, statements per thread) covering `n` statements with as many threads as the renderer allows, the last
+  thread's share short where they do not divide evenly: statements past `n` must do nothing."""
+  g = min((Device[device].renderer.global_max or (1,))[0], n)
+  return g, -(-n // g)
+
 def threads(device: str, n: int) -> int:
   """The most threads, up to the renderer's limit, that split `n` statements evenly."""
   g = (Device[device].renderer.global_max or (1,))[0]
