@@ -78,11 +78,9 @@ class MLA:
     k_new = self.attn_kv_a_norm(kv[..., :L], per_element=True).cat(apply_rope(kv[..., L:], rope, start_pos, cfg.rope.type), dim=-1)
     # every row's new cache rows stored at once (one store per cache buffer per forward), before any row reads them
     cache, keys, o = store_rows(self.cache, k_new, rows), self.stored_keys(x, rows, rope), []
-    if self.kernel_attends(rows):  # every row's attention over its slot's rows as one C kernel (nn/attention_kernel.py)
-      lay, unit = attention_kernel.Layout.latent(L + cfg.rope.dim, L), settings.current(x.device).caps.c_attention
-      o = [attention_kernel.attention(q[b].transpose(0, 1), cache, s, p, lay, cfg.kq_scale, unit).transpose(0, 1).unsqueeze(0)
-           for b, (s, p) in enumerate(rows)]
-    for b, (s, p) in enumerate(rows if not o else ()):  # each row over its own slot's rows (nn/cache_rows.py)
+    if (kernel := self.attention_kernel(rows)) is not None:  # each row's attention as one C kernel (nn/attention_kernel.py)
+      o = [attention_kernel.attention(q[b].transpose(0, 1), cache, s, p, *kernel).transpose(0, 1).unsqueeze(0) for b, (s, p) in enumerate(rows)]
+    for b, (s, p) in enumerate(rows if kernel is None else ()):  # each row over its own slot's rows (nn/cache_rows.py)
       one = (lambda t: t) if len(rows) == 1 else (lambda t: None if t is None else t[b:b + 1])
       sh = shared if len(rows) == 1 or shared is None else shared.setdefault(("row", b), {})
       k, mask = self.rows(cache, keys, s, one(x), one(qr), p, rope, sh)                # [1,1,n,L+R], [T,n]
@@ -100,13 +98,15 @@ class MLA:
     # into head and value axes and misses kernel_opts' GEMM shape
     return self.attn_output(o.contiguous() if T > 1 else o)
 
-  def kernel_attends(self, rows: Rows) -> bool:
-    """Whether the rows' attention takes nn/attention_kernel.py's C kernel: on a device that has it, over all of a slot's
-    cache rows (this class's `rows`; DSA's selected ones are not a prefix), at an int or variable position and slot."""
-    L, cfg = self.cfg.kv_lora_rank, self.cfg
-    return type(self).rows is MLA.rows and attention_kernel.applies(attention_kernel.Layout.latent(L + cfg.rope.dim, L), cfg.n_head,
-                                                                   self.cache, settings.current(self.cache.device).caps.c_attention) and \
+  def attention_kernel(self, rows: Rows) -> tuple | None:
+    """(layout, scale, vector unit) for nn/attention_kernel.py's C kernel where the rows' attention takes it: on a device
+    that has it, over all of a slot's cache rows (this class's `rows`; DSA's selected ones are not a prefix), at an int
+    or variable position and slot; else None."""
+    cfg, unit = self.cfg, settings.current(self.cache.device).caps.c_attention
+    lay = attention_kernel.Layout.latent(cfg.kv_lora_rank + cfg.rope.dim, cfg.kv_lora_rank)
+    ok = type(self).rows is MLA.rows and attention_kernel.applies(lay, cfg.n_head, self.cache, unit) and \
       all(ckernel.bound_variable(s) and ckernel.bound_variable(p) for s, p in rows)
+    return (lay, cfg.kq_scale, unit) if ok else None
 
   def stored_keys(self, x: Tensor, rows: Rows, rope: Tensor) -> Tensor | None:
     """A second per-position cache some attentions keep (nn/dsa.py's DSA indexer keys) with this forward's rows stored; None."""

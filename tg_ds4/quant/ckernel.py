@@ -3,7 +3,7 @@ float GEMM are C that tinygrad's renderer cannot express (clang's vector builtin
 statement inside a (threaded) range tinygrad schedules and orders like any other kernel."""
 from __future__ import annotations
 
-from tinygrad import Device, dtypes
+from tinygrad import Device, Tensor, dtypes
 
 from tg_ds4.backend.compat import Ops, UOp
 
@@ -32,7 +32,6 @@ def call(kernel, srcs: list, scalars: list) -> list:
   """`Tensor.custom_kernel(*srcs, fxn=kernel)` whose kernel also takes integer `scalars`: each an int (a constant in the
   kernel) or a bound variable (a captured step's symbolic start position or slot: a parameter of the kernel, its value
   given at each run). `kernel(*buffers, *scalars)` gets the buffers' placeholders, then the scalars' kernel-side forms."""
-  from tinygrad import Tensor
   inner = [UOp.const(s, dtypes.int) if isinstance(s, int) else UOp.variable(s.unbind()[0].expr, s.vmin, s.vmax, s.dtype, param=True)
            for s in scalars]
   body = kernel(*[UOp.placeholder_like(t.uop, slot=i) for i, t in enumerate(srcs)], *inner)
