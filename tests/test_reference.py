@@ -29,6 +29,14 @@ QUANT_FILES = [fq for fq in FILES if fq[1] != "F32"]
 
 def rel(a, b) -> float: return float(np.abs(a - b).max() / np.abs(b).max())
 
+def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
+  """Per row, KL(softmax(p) || softmax(q)) over the whole vocabulary."""
+  def log_softmax(x):
+    x = x.astype(np.float64) - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+  lp, lq = log_softmax(p_logits), log_softmax(q_logits)
+  return (np.exp(lp) * (lp - lq)).sum(-1)
+
 @functools.cache
 def run(fam: str, q: str, twin: bool = False, numerics: str = "exact") -> dict:
   """Everything the tests compare, computed once per file and numerics on one runner: prefill logits over the prompt
@@ -157,8 +165,10 @@ AUTO_FILES = [fq for fq in QUANT_FILES if fq in {("ds3", "Q4_0"), ("glm", "Q8_0"
 
 @pytest.mark.parametrize("fam,q,numerics", [(*fq, "llama.cpp") for fq in QUANT_FILES] + [(*fq, "auto") for fq in AUTO_FILES])
 def test_quantized_vs_llama_cpp(fam, q, numerics):
-  """With llama.cpp's activation rounding: top-1 equal to llama.cpp's own run of the file on >= 95% of the prompt
-  positions where llama.cpp's top-2 margin is clear (NEAR_TIE, as for the greedy steps), logits within 0.15 (one
+  """With llama.cpp's activation rounding: top-1 equal to llama.cpp's own run of the file on >= 98% of the prompt
+  positions where llama.cpp's top-2 margin is clear (of NEAR_TIE and of our own noise, as for the greedy steps; at
+  least half of them), mean KL(llama.cpp || ours)
+  over the prompt <= 1e-3 (measured 0 .. 1.6e-4: several files give llama.cpp's logits bit for bit), logits within 0.15 (one
   flipped rounding or routing choice moves them by 0.03-0.1), and the greedy continuation identical for as long as
   llama.cpp's top-2 margin is clear of both NEAR_TIE and what two summation orders of the same rounded math already
   move on this file (our prefill vs our decode over the prompt), as test_dsa does. (ds3k Q4_K_M: margins of 0.0017
@@ -170,13 +180,15 @@ def test_quantized_vs_llama_cpp(fam, q, numerics):
   g, r = manifest(fam)["ggufs"][q], run(fam, q, numerics=numerics)
   ll = np.load(ROOT / fam / g["logits"])
   top2 = np.sort(ll, -1)[..., -2:]
-  clear = (top2[..., 1] - top2[..., 0]) >= NEAR_TIE
   noise = float(np.abs(r["decode"] - r["prefill"]).max())
+  clear = (top2[..., 1] - top2[..., 0]) >= max(NEAR_TIE, noise)
   agree = float((r["prefill"].argmax(-1) == ll.argmax(-1))[clear].mean())
+  kl = float(kl_divergence(ll, r["prefill"]).mean())
   n = next((i for i, mg in enumerate(g["greedy_top2_margin"]) if mg < max(NEAR_TIE, noise)), len(g["greedy_top2_margin"]))
-  print(f"\n{fam} {q} ({numerics} numerics) vs llama.cpp: max|d| {np.abs(r['prefill'] - ll).max():.2e}, top-1 agreement {agree:.1%}, our prefill vs "
-        f"decode {noise:.1e}, greedy {'identical' if r['greedy'] == g['greedy_ids'] else 'differs'} (first {n} steps compared)")
-  assert agree >= 0.95 and np.abs(r["prefill"] - ll).max() <= 0.15
+  print(f"\n{fam} {q} ({numerics} numerics) vs llama.cpp: max|d| {np.abs(r['prefill'] - ll).max():.2e}, mean KL {kl:.1e}, top-1 agreement "
+        f"{agree:.1%} of {clear.sum()} clear positions, our prefill vs decode {noise:.1e}, "
+        f"greedy {'identical' if r['greedy'] == g['greedy_ids'] else 'differs'} (first {n} steps compared)")
+  assert 2 * clear.sum() >= len(clear) and agree >= 0.98 and kl <= 1e-3 and np.abs(r["prefill"] - ll).max() <= 0.15
   assert r["greedy"][:n] == g["greedy_ids"][:n]
 
 def test_rounding_noise_under_llama_cpp_numerics():
