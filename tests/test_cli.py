@@ -1,5 +1,5 @@
 """Command-line contract: bad input is one line on stderr and exit status 2; generate streams only generated text."""
-import itertools, pathlib, subprocess, sys
+import itertools, pathlib, socket, subprocess, sys
 
 import pytest
 
@@ -27,6 +27,9 @@ def tg(*args, timeout=600):
   (["serve", "-m", DS4, "--kv-cache-dir", "unused-kv-dir", "--port", "1"], "is a deepseek4 model, whose caches"),
   (["serve", "-m", DS4, "--parallel", "2", "--port", "1"], "is a deepseek4 model, which runs one sequence at a time"),
   (["serve", "-m", DS3, "--parallel", "9", "--port", "1"], "--parallel must be in [1, 8]"),
+  (["serve", "-m", DS3, "--port", "99999"], "--port 99999: a TCP port is 0..65535"),
+  (["serve", "-m", DS3, "--host", "no-such-host.invalid", "--port", "0"], "--host no-such-host.invalid --port 0: cannot listen there"),
+  (["serve", "-m", DS3, "--served-model-name", " "], "--served-model-name ' ': give a non-empty printable name"),
   (["generate", "-m", DS3, "-p", "hi", "--quantize", "q4_0"], "--quantize applies to checkpoint folders; a GGUF file is used as it is"),
   (["generate", "-m", str(FIX / "gpt2/gpt2-Q8_0.gguf"), "-p", "hi", "--max-context", "300"],
    "learned positions (position_embd) for 128 tokens, a context of 300 was asked for"),
@@ -34,6 +37,13 @@ def tg(*args, timeout=600):
 def test_bad_input_is_one_line_exit_2(args, msg):
   r = tg(*args)
   assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("tg_ds4: error: ") and msg in r.stderr, r.stderr
+
+def test_serve_reports_a_taken_port_before_loading_the_model():
+  with socket.socket() as taken:
+    taken.bind(("127.0.0.1", 0)); taken.listen()
+    port = taken.getsockname()[1]
+    r = tg("serve", "-m", DS3, "--port", str(port), timeout=120)
+  assert r.returncode == 2 and r.stderr == f"tg_ds4: error: --host 127.0.0.1 --port {port}: cannot listen there (Address already in use)\n", r.stderr
 
 def test_generate_streams_only_the_continuation():
   r = tg("generate", "-m", "smollm2", "-p", "The capital of France is", "-n", "3")

@@ -3,7 +3,7 @@ ChatML template with tools), started on 127.0.0.1 in a subprocess: the official 
 equality with `generate`, 16 concurrent clients, disconnects, prefix KV reuse in memory and across a restart, every
 error status, and a fuzzer driven by the OpenAPI schema the server publishes. In-process (a scripted engine instead of
 a model): tool calls through both APIs, stop strings, 429; and the KV store's file checks."""
-import asyncio, codecs, json, os, pathlib, socket, subprocess, sys, time
+import asyncio, codecs, dataclasses, json, os, pathlib, socket, subprocess, sys, time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -286,8 +286,6 @@ def test_errors_have_their_status_and_shape(server):
   oai(post("/v1/chat/completions", {**ok, "stream": 1}), 400, "stream")
   oai(post("/v1/chat/completions", raw=json.dumps({**ok, "logit_bias": {"\ud800": "x"}}).encode()), 400)  # a lone surrogate in the error
   ant(post("/v1/messages", {**anth, "max_tokens": "1"}), 400, "invalid_request_error")
-  oai(post("/v1/chat/completions", {**ok, "model": "gpt-9"}), 404, "model")
-  ant(post("/v1/messages", {**anth, "model": "claude-9"}), 404, "not_found_error")
   oai(post("/v1/completions", {"model": MODEL_ID, "prompt": "word " * 400}), 400, "prompt")
   ant(post("/v1/messages", {**anth, "messages": [{"role": "user", "content": "word " * 400}]}), 400, "invalid_request_error")
   oai(post("/v1/completions", raw=json.dumps({"model": MODEL_ID, "prompt": "x" * 70_000}).encode()), 413)
@@ -306,9 +304,39 @@ def test_errors_have_their_status_and_shape(server):
   oai(post("/v1/completions", {"model": MODEL_ID, "prompt": ["a", "b"]}), 400, "prompt")
   oai(post("/v1/completions", {"model": MODEL_ID, "prompt": [1, 99999]}), 400, "prompt")
   oai(post("/v1/completions", {"model": MODEL_ID, "prompt": "hi", "echo": True}), 400, "echo")
-  assert httpx.get(u + "/v1/models/gpt-9").status_code == 404 and httpx.get(u + "/v1/nothing").status_code == 404
+  assert httpx.get(u + "/v1/nothing").status_code == 404
   after = server.health()
   assert (after["completed"], after["tokens"], after["failed"]) == (before["completed"], before["tokens"], 0)  # no inference ran
+
+def test_any_model_name_is_answered_by_the_model_served(server):
+  """Clients send the model name they were configured with: the one model answers, under its own id (the file's stem,
+  as /v1/models lists it), and the docs' client example runs as written."""
+  example = (REPO / "docs/serving.md").read_text().split("```python\n", 1)[1].split("```", 1)[0]
+  assert 'model="any"' in example and "http://127.0.0.1:8000" in example
+  exec(example.replace("http://127.0.0.1:8000", server.url), {})
+  r = server.openai().chat.completions.create(model="gpt-9", messages=CHAT, max_tokens=4, temperature=0)
+  same = server.openai().chat.completions.create(model=MODEL_ID, messages=CHAT, max_tokens=4, temperature=0)
+  assert r.model == MODEL_ID and r.choices[0].message.content == same.choices[0].message.content
+  m = server.anthropic().messages.create(model="claude-9", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+  assert m.model == MODEL_ID and m.content[0].text
+  assert httpx.get(server.url + "/v1/models/gpt-9").json()["id"] == MODEL_ID
+  assert "serving it as 'tiny-chat' (requests naming any other model get it too)" in server.log()
+
+def test_strict_model_name_refuses_other_names(tok):
+  """--strict-model-name: a name that is not the served id or one of its aliases is a 404 in each API's shape."""
+  served = dataclasses.replace(scripted_served(tok, tok.encode("ok", add_special=False)), strict=True, aliases=frozenset({"tiny-chat.gguf"}))
+  app = build_app(served, allowed=Allowed("127.0.0.1", frozenset({"test"})))
+  async def fn(http, oai, ant):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    r = await http.post("/v1/chat/completions", json={**chat, "model": "gpt-9"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model" and "this server serves 'tiny-chat'" in r.json()["error"]["message"]
+    r = await http.post("/v1/messages", json={**chat, "model": "claude-9"})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert (await http.get("/v1/models/gpt-9")).status_code == 404 and (await http.get("/v1/models/tiny-chat")).status_code == 200
+    for name in (MODEL_ID, "tiny-chat.gguf"):
+      r = await http.post("/v1/chat/completions", json={**chat, "model": name})
+      assert r.status_code == 200 and r.json()["model"] == MODEL_ID
+  _run(app, fn)
 
 def test_fuzzed_requests_never_get_a_5xx(server):
   schema = httpx.get(server.url + "/openapi.json").json()

@@ -213,8 +213,10 @@ def cmd_profile(args) -> int:
   return 0
 
 def cmd_serve(args) -> int:
-  from tg_ds4.server.app import serve
+  from tg_ds4.server.app import BindError, bind, serve
   if args.max_context and args.max_context < 2: raise UsageError("--max-context must be at least 2")
+  if args.served_model_name is not None and not (args.served_model_name.strip() and args.served_model_name.isprintable()):
+    raise UsageError(f"--served-model-name {args.served_model_name!r}: give a non-empty printable name")
   if min(args.max_queue, args.max_body_bytes, args.max_json_depth, args.max_connections, args.max_parsing) < 1:
     raise UsageError("--max-queue, --max-body-bytes, --max-json-depth, --max-connections, --max-parsing: >= 1")
   if not (args.head_timeout > 0 and args.body_timeout > 0): raise UsageError("--head-timeout, --body-timeout: > 0 seconds")
@@ -232,7 +234,9 @@ def cmd_serve(args) -> int:
     if (a := ARCHS.get(gf.arch)) is not None and not a.model.PREFIX_ROWS:
       raise UsageError(f"--kv-cache-dir: {gf.path.name} is a {gf.arch} model, whose caches (rings and compressor state) cannot be saved "
                        f"as a prefix's rows; serve it without --kv-cache-dir (prefixes are still reused in memory)")
-  return serve(args)
+  try: sock = bind(args.host, args.port)  # before the model loads: a bad address or a taken port is reported at once
+  except BindError as e: raise UsageError(str(e)) from None
+  return serve(args, sock)
 
 def cmd_models(args) -> int:
   from tg_ds4.io.registry import registry
@@ -367,6 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
   add_beam(s)
   s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
   s.add_argument("--port", type=int, default=8000)
+  s.add_argument("--served-model-name", metavar="NAME", help="the model id /v1/models lists and responses carry (default: the short "
+                                                             "model name, or the file's stem)")
+  s.add_argument("--strict-model-name", action="store_true", help="answer requests naming another model with 404 (default: any "
+                                                                  "model name is answered by the one model served)")
   s.add_argument("--max-context", type=int, default=0, help="KV cache length (default 4096, or the model's context if smaller; "
                                                                "past the model's: a warning)")
   s.add_argument("--parallel", type=int, default=None, metavar="N",

@@ -5,7 +5,7 @@ API shapes with 400 (not FastAPI's 422 validation layer, which would have to be 
 field validation and the OpenAPI schema. uvicorn: the standard ASGI server, pure-Python install (h11)."""
 from __future__ import annotations
 
-import logging, pathlib, time
+import logging, pathlib, socket, time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -15,7 +15,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.routing import Route
 
 from tg_ds4.io.hf_folder import open_model
-from tg_ds4.io.registry import resolve
+from tg_ds4.io.registry import registry, resolve
 from tg_ds4.models.families import default_context
 from tg_ds4.quant import activations, settings
 from tg_ds4.runtime.runner import Runner
@@ -81,12 +81,17 @@ def parse_size(text: str) -> int:
   mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
   return int(float(t[:-1] if mult > 1 else t) * mult)
 
+def served_model_id(model: str, path: pathlib.Path) -> str:
+  """The id a model is served under by default: its short name when `-m` gave one, else the file's stem (a checkpoint
+  folder's name): a clean token a client can be configured with, unlike general.name's free text."""
+  return model if model in registry() else (path.stem if path.is_file() else path.name)
+
 def load(model: str, max_context: int | None, kv_cache_dir: str | None = None, kv_cache_size: int = 2 << 30, kv_cache_min_tokens: int = 256,
          max_queue: int = 64, warmup: bool = True, quantize: str | None = None, parallel: int = 1,
-         numerics: str = settings.DEFAULT_NUMERICS) -> Served:
+         numerics: str = settings.DEFAULT_NUMERICS, served_name: str | None = None, strict_model_name: bool = False) -> Served:
   """Tokenizer and template here; model and KV store on the worker's thread (see Worker), with `parallel` cache slots
   (requests generated together). Returns once the model is loaded (a bad file raises here); the warm-up compile runs
-  on while the server already answers /health."""
+  on while the server already answers /health. The model is served as `served_name` (default served_model_id)."""
   path = pathlib.Path(resolve(model))
   gf = open_model(path, quantize)
   tok, t0 = Tokenizer.from_gguf(gf), time.perf_counter()
@@ -97,25 +102,46 @@ def load(model: str, max_context: int | None, kv_cache_dir: str | None = None, k
     kv = KVStore(kv_cache_dir, fp, kv_cache_size, kv_cache_min_tokens) if kv_cache_dir else None
     return runner, kv
   worker = Worker(load_runner, max_queue, warmup=(tok.encode("Hello, world", add_special=True) or [0]) if warmup else None).start().wait_loaded()
-  model_id, max_ctx = str(gf.get("general.name") or path.stem), worker.runner.model.max_ctx
-  log.info("loaded %s (%s) in %.1fs; context %d, %d slot%s", model_id, path.name, time.perf_counter() - t0, max_ctx, parallel,
-           "s" if parallel > 1 else "")
-  return Served(model_id, frozenset({model_id, model, path.name, path.stem}), tok, Template.from_gguf(gf), max_ctx, worker)
+  model_id, max_ctx = served_name or served_model_id(model, path), worker.runner.model.max_ctx
+  log.info("loaded %s (%s) in %.1fs; context %d, %d slot%s; serving it as %r%s", gf.get("general.name") or path.stem, path.name,
+           time.perf_counter() - t0, max_ctx, parallel, "s" if parallel > 1 else "", model_id,
+           "" if strict_model_name else " (requests naming any other model get it too)")
+  aliases = frozenset({model, path.name, path.stem} | ({str(gf.get("general.name"))} if gf.get("general.name") else set()))
+  return Served(model_id, aliases, tok, Template.from_gguf(gf), max_ctx, worker, strict=strict_model_name)
 
-def run(app: Starlette, host: str, port: int, head_timeout: float = 10.0, max_connections: int = 256) -> None:
-  """uvicorn with the connection limits (`connections`); returns when the server is stopped."""
+class BindError(OSError):
+  """The address `serve` was told to listen on cannot be had (its message names it and why)."""
+
+def bind(host: str, port: int) -> socket.socket:
+  """A socket bound to host:port (not yet listening: connections are refused until the server runs), taken before
+  the model loads so that a bad address or a port in use ends `serve` at once. The same options as uvicorn's own bind
+  (SO_REUSEADDR; IPv6 for an address with a colon)."""
+  if not 0 <= port <= 65535: raise BindError(f"--port {port}: a TCP port is 0..65535")
+  sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+  try:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+  except OSError as e:
+    sock.close()
+    raise BindError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
+  return sock
+
+def run(app: Starlette, host: str, port: int, head_timeout: float = 10.0, max_connections: int = 256, sock: socket.socket | None = None) -> None:
+  """uvicorn with the connection limits (`connections`), on `sock` when given (else it binds host:port itself); returns
+  when the server is stopped."""
   import uvicorn
   logging.getLogger("asyncio").addFilter(RateLimited())  # should accept() still fail, one line per 10 s, not one per try
   http = limited_protocol(head_timeout, connection_cap(max_connections))
   uvicorn.Server(uvicorn.Config(app, host=host, port=port, http=http, backlog=BACKLOG, log_level="info", access_log=False,
-                                timeout_graceful_shutdown=3)).run()
+                                timeout_graceful_shutdown=3)).run(sockets=[sock] if sock is not None else None)
 
-def serve(args) -> int:
+def serve(args, sock: socket.socket | None = None) -> int:
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   served = load(args.model, args.max_context, args.kv_cache_dir, parse_size(args.kv_cache_size), args.kv_cache_min_tokens, args.max_queue,
-                quantize=args.quantize, parallel=args.parallel, numerics=args.numerics)
+                quantize=args.quantize, parallel=args.parallel, numerics=args.numerics, served_name=args.served_model_name,
+                strict_model_name=args.strict_model_name)
   body = BodyLimits(args.max_body_bytes, args.max_json_depth, args.body_timeout, args.max_parsing)
   app = build_app(served, body, Allowed(args.host, frozenset(h.lower() for h in args.allow_host), frozenset(o.lower() for o in args.allow_origin)))
-  run(app, args.host, args.port, args.head_timeout, args.max_connections)
+  run(app, args.host, args.port, args.head_timeout, args.max_connections, sock)
   if served.worker.kvstore: served.worker.kvstore.flush(10)
   return 0

@@ -15,6 +15,10 @@ from tg_ds4.text.tokenizer import Tokenizer
 
 @dataclass
 class Served:
+  """`model_id` is the one id the server lists and answers under; `aliases` the other names it goes by (the file's
+  name and stem, its general.name, what `-m` said). A request may name any model: clients send whatever name they were
+  configured with, and one model serves them all (its responses say which); `strict` refuses names outside the aliases
+  with a 404 instead."""
   model_id: str
   aliases: frozenset[str]
   tok: Tokenizer
@@ -22,9 +26,10 @@ class Served:
   max_ctx: int
   worker: Worker
   created: int = field(default_factory=lambda: int(time.time()))
+  strict: bool = False
 
   def check_model(self, name: str) -> None:
-    if name not in self.aliases:
+    if self.strict and name != self.model_id and name not in self.aliases:
       raise ApiError(404, f"model {name!r} does not exist; this server serves {self.model_id!r}", "model", "model_not_found")
 
   def render(self, messages: list[dict], tools: list[dict] | None, thinking: bool | None = None, **template_kwargs) -> list[int]:
