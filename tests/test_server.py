@@ -198,6 +198,11 @@ def test_concurrent_clients_get_their_own_answers(server):
     return [(p, _complete(c, p, 6)) for p in (prompts[(i + j) % len(prompts)] for j in range(4))]
   with ThreadPoolExecutor(16) as ex: got = [r for rs in ex.map(client, range(16)) for r in rs]
   assert len(got) == 64 and all(text == expected[p] for p, text in got)
+  # the warm-up captured every step these requests take (every batch size, greedy and sampled, every prefill chunk):
+  # none waited on a compile (steps with logprobs, captured per bucket on first use, are not warmed)
+  log = server.log().split("warm-up done", 1)
+  assert len(log) == 2 and "warm-up 1/" in log[0], log[0][-2000:]
+  assert not [ln for ln in log[1].splitlines() if " captured in " in ln and "logprobs" not in ln], log[1][-3000:]
   h = server.health()
   assert h["queued"] == 0 and h["slots"] == 4 and h["peak_running"] == 4, h  # serve's default: 4 slots, all used together
 

@@ -363,6 +363,42 @@ class Runner:
       if s.token in stop or i == max_new - 1: break
       tok = self.next_token(s.token, n + i, params, sampling(i + 1), k)  # writes the cache row of s.token
 
+  def warm_steps(self) -> list[tuple[str, Callable[[], object]]]:
+    """Every captured step generation can take for a request without logprobs, as (name, run it once): the prefill
+    chunks that fit the context, the first token from a chunk (greedy and sampled), and the per-token steps (with
+    slots: the batched steps of each size in BATCHES up to `parallel`, all rows greedy and with sampled rows). Each
+    runs on a token of `0`s in the scratch slot (with slots) or slot 0, whose rows it leaves undefined: `cached` is
+    reset by the caller (warm_up)."""
+    m, sp = self.model, SamplingParams(temperature=1.0, seed=0)
+    slot = m.slots - 1 if m.slots > 1 else 0
+    sampled = lambda: (*sp.tensors(self.device), rng(0, 0, self.device))
+    steps: list[tuple[str, Callable[[], object]]] = []
+    for C in (c for c in m.PREFILL_CHUNKS if c <= m.max_ctx):
+      chunk = lambda C=C: self.prefill_chunks([0] * C, 0, [C], slot)
+      steps += [(f"prefill-{C}", chunk)]
+      if C == m.PREFILL_CHUNKS[0]:
+        steps += [("head-greedy", lambda chunk=chunk: self.head_step(True, None)(chunk())),
+                  ("head-sample", lambda chunk=chunk: self.head_step(False, None)(chunk(), *sampled()))]
+    if m.slots == 1:
+      return steps + [("decode-greedy", lambda: self._per_token(0, 0, True, (), None)),
+                      ("decode-sample", lambda: self._per_token(0, 0, False, sampled(), None))]
+    for B in (b for b in BATCHES if b <= self.parallel):
+      arrays = lambda B=B: (np.array([False] * B), np.ones(B, np.float32), np.zeros(B, np.int32), np.ones(B, np.float32),
+                            np.zeros(B, np.float32), np.zeros((B, 2), np.uint32))
+      steps += [(f"batch-{B}-greedy", lambda B=B: self.batch_step([0] * B, [slot] * B, [0] * B)),
+                (f"batch-{B}-sample", lambda B=B, arrays=arrays: self.batch_step([0] * B, [slot] * B, [0] * B, arrays()))]
+    return steps
+
+  def warm_up(self, progress: Callable[[int, int, str, float], None] | None = None) -> None:
+    """Capture (or load from the step cache) every step of warm_steps before the first request, so that no request
+    waits on a compile; `progress(i, n, name, seconds)` after each."""
+    steps = self.warm_steps()
+    for i, (name, run) in enumerate(steps):
+      t = time.perf_counter()
+      run()
+      if progress is not None: progress(i + 1, len(steps), name, time.perf_counter() - t)
+    self.cached = []  # the warm-up's rows are not a prefix of anything
+
   # *** KV rows of a prefix, for a persistent cache ***
   # Byte copies on the cache buffers themselves (the tensors are allocated once and written in place by the captured
   # steps): no kernel is compiled per prefix length, and the captured steps keep pointing at the same memory.

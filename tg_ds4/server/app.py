@@ -48,7 +48,8 @@ def _guarded(fn):
 async def health(request: Request):
   s: Served = request.app.state.served
   st = s.worker.status()
-  return JSON({"status": "ok" if st["ready"] else "loading", "model": s.model_id, "context": s.max_ctx, **st}, 200 if st["ready"] else 503)
+  status = "ok" if st["ready"] else "warming up" if "warming_up" in st else "loading"
+  return JSON({"status": status, "model": s.model_id, "context": s.max_ctx, **st}, 200 if st["ready"] else 503)
 
 async def model_info(request: Request):
   s: Served = request.app.state.served
@@ -97,11 +98,11 @@ def load(model: str, max_context: int | None, kv_cache_dir: str | None = None, k
   tok, t0 = Tokenizer.from_gguf(gf), time.perf_counter()
   def load_runner():
     runner = Runner.load(gf, max_ctx=max_context or default_context(gf), parallel=parallel, numerics=numerics)
+    if not kv_cache_dir: return runner, None  # (a model without prefix rows, deepseek4, has no cache layout to fingerprint)
     fp = model_fingerprint(path, runner.cache_layout(), gf.identity() if hasattr(gf, "identity") else None,
                            activations.effective(numerics, runner.device))
-    kv = KVStore(kv_cache_dir, fp, kv_cache_size, kv_cache_min_tokens) if kv_cache_dir else None
-    return runner, kv
-  worker = Worker(load_runner, max_queue, warmup=(tok.encode("Hello, world", add_special=True) or [0]) if warmup else None).start().wait_loaded()
+    return runner, KVStore(kv_cache_dir, fp, kv_cache_size, kv_cache_min_tokens)
+  worker = Worker(load_runner, max_queue, warmup=warmup).start().wait_loaded()
   model_id, max_ctx = served_name or served_model_id(model, path), worker.runner.model.max_ctx
   log.info("loaded %s (%s) in %.1fs; context %d, %d slot%s; serving it as %r%s", gf.get("general.name") or path.stem, path.name,
            time.perf_counter() - t0, max_ctx, parallel, "s" if parallel > 1 else "", model_id,

@@ -67,8 +67,9 @@ class QueueFull(Exception): pass
 class Worker:
   """`load` builds the runner (and the KV store, if any) on the worker's own thread: tinygrad keeps per-thread state
   (its compile cache's SQLite connection), so the model is never touched from any other thread."""
-  def __init__(self, load: Callable[[], tuple[Runner, KVStore | None]], max_queue: int = 64, warmup: list[int] | None = None):
+  def __init__(self, load: Callable[[], tuple[Runner, KVStore | None]], max_queue: int = 64, warmup: bool = False):
     self.load, self.warmup, self.runner, self.kvstore, self.load_error = load, warmup, None, None, None
+    self.warming: str | None = None  # while the warm-up runs: "i/n step" of the steps captured so far
     self.queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
     self.loaded, self.ready, self.current = threading.Event(), threading.Event(), None
     self.batcher: Batcher | None = None  # with slots
@@ -101,7 +102,8 @@ class Worker:
   def status(self) -> dict:
     b = self.batcher
     cached = [len(t) for t in b.slot_tokens] if b is not None else [len(self.runner.cached)] if self.runner else [0]
-    return {"ready": self.ready.is_set(), "queued": self.queue.qsize(), "busy": bool(self.jobs) or self.current is not None,
+    return {"ready": self.ready.is_set(), **({"warming_up": self.warming} if self.warming else {}),
+            "queued": self.queue.qsize(), "busy": bool(self.jobs) or self.current is not None,
             "running": len(self.jobs) if b is not None else int(self.current is not None), "slots": self.slots,
             "peak_running": self.peak_running, **self.counts,
             "last_cancel": self.last_cancel, "cached_tokens": max(cached), "kv_store": self.kvstore.stats() if self.kvstore else None}
@@ -110,11 +112,12 @@ class Worker:
     try: self.runner, self.kvstore = self.load()
     except Exception as e: self.load_error = e; return
     finally: self.loaded.set()
-    if self.warmup:  # compile and capture the prefill and decode steps before the first request
+    if self.warmup:  # every step a request can take, captured (or loaded) before the first request: none waits on a compile
       t = time.perf_counter()
-      try: self._warm_up()
+      try: self.runner.warm_up(self._warmed)
       except Exception: log.exception("warm-up failed")
       log.info("warm-up done in %.1fs", time.perf_counter() - t)
+    self.warming = None
     self.ready.set()
     if self.slots > 1: return self._run_slots()
     while True:
@@ -130,11 +133,9 @@ class Worker:
         self.current = None
         self.job_seconds = 0.8 * self.job_seconds + 0.2 * (time.perf_counter() - t)
 
-  def _warm_up(self):
-    if self.slots == 1: list(self.runner.generate(self.warmup, 3)); return
-    # every batch size up to the slots, greedy and sampled: the batched steps a first burst of requests needs
-    reqs = [Request(tuple(self.warmup), 2 + i, SamplingParams(0.0 if i % 2 else 1.0, seed=i)) for i in range(self.slots)]
-    Batcher(self.runner).run(reqs)
+  def _warmed(self, i: int, n: int, name: str, seconds: float):
+    self.warming = f"{i}/{n} {name}"
+    log.info("warm-up %d/%d: %s in %.1fs", i, n, name, seconds)
 
   def _cancelled_queued(self, job: Job):  # left while queued: costs nothing
     self.counts["cancelled"] += 1
