@@ -59,14 +59,22 @@ def file_formats(path, max_ctx: int = 64) -> Transformer:
 NEAR_TIE = 0.01
 
 
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+  """float64 log-probabilities over the last axis."""
+  x = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
+  """Per row, KL(softmax(p) || softmax(q)) over the whole vocabulary."""
+  lp, lq = log_softmax(p_logits), log_softmax(q_logits)
+  return (np.exp(lp) * (lp - lq)).sum(-1)
+
 def topk_kl(p_ids: np.ndarray, p_logprobs: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
   """Per row, KL(P || Q) over the K+1 bins that P's top-K tokens and everything else make, from P's top-K ids and
   log-probabilities (normalized over the whole vocabulary) and Q's full logits: what a fixture that keeps only the
   top-K of a reference run can hold. It bounds the full KL from below (merging bins never raises it) and equals it as
   the tail's mass goes to zero; two runs are compared with it only against the same P."""
-  q = q_logits.astype(np.float64)
-  q = q - q.max(-1, keepdims=True)
-  q_lp = np.take_along_axis(q, p_ids, -1) - np.log(np.exp(q).sum(-1, keepdims=True))
+  q_lp = np.take_along_axis(log_softmax(q_logits), p_ids, -1)
   p_lp = p_logprobs.astype(np.float64)
   p_tail = np.clip(1 - np.exp(p_lp).sum(-1), 1e-300, None)
   q_tail = np.clip(1 - np.exp(q_lp).sum(-1), 1e-300, None)

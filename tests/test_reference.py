@@ -12,7 +12,7 @@ import functools, json, pathlib
 import numpy as np
 import pytest
 
-from family import NEAR_TIE, dequantized_twin, file_formats
+from family import NEAR_TIE, dequantized_twin, file_formats, kl_divergence
 from tg_ds4 import backend
 from tg_ds4.quant import intdot
 from tg_ds4.runtime.runner import FEED_TOKENS, Runner
@@ -28,14 +28,6 @@ F32_FILES = [fq for fq in FILES if fq[1] == "F32"]
 QUANT_FILES = [fq for fq in FILES if fq[1] != "F32"]
 
 def rel(a, b) -> float: return float(np.abs(a - b).max() / np.abs(b).max())
-
-def kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
-  """Per row, KL(softmax(p) || softmax(q)) over the whole vocabulary."""
-  def log_softmax(x):
-    x = x.astype(np.float64) - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
-  lp, lq = log_softmax(p_logits), log_softmax(q_logits)
-  return (np.exp(lp) * (lp - lq)).sum(-1)
 
 @functools.cache
 def run(fam: str, q: str, twin: bool = False, numerics: str = "exact") -> dict:

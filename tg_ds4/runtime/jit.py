@@ -23,7 +23,7 @@ class Jit(_TinyJit):
     self.loaded, self._ready = False, None  # _ready: the capture already saved and handed to the backend
 
   def __call__(self, *args, **kwargs):
-    first, t = self._ready is None, time.perf_counter()
+    t = time.perf_counter() if self._ready is None else None  # (the first call only: no clock on the per-token path)
     if self.captured is None and self.cache is not None and (c := self.cache.load(self.name)) is not None:
       self.captured = self._ready = backend.replay(c, self.device)
       self.cnt, self.loaded = 2, True
@@ -38,6 +38,6 @@ class Jit(_TinyJit):
     if (c := self.captured) is not None and c is not self._ready:
       if type(c) is CapturedJit and self.cache is not None and not self.loaded: self.cache.save(self.name, c)
       self.captured = self._ready = backend.replay(c, self.device)
-    if first and self._ready is not None:  # a server's log shows which request paid for a compile
+    if t is not None and self._ready is not None:  # a server's log shows which request paid for a compile
       log.info("step %s %s in %.1fs", self.name, "loaded from the step cache" if self.loaded else "captured", time.perf_counter() - t)
     return ret
