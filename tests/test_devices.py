@@ -118,7 +118,7 @@ def job_result(job: str) -> tuple[list[float], bool]:
 @pytest.mark.background("ds3-f32")
 def test_moe_fixture_decodes_on_the_emulated_gpu_in_float32():
   """ds3 Q4_0 (MLA, 4 expert groups, sigmoid routing) in exact float32 (TG_DS4_PRECISION=f32) on the emulated GPU,
-  against transformers on the file's dequantized weights: measured 7.2e-7, 1.2e-6."""
+  against transformers on the file's dequantized weights: measured 7.2e-7, 8.5e-7."""
   rel, same = job_result("ds3-f32")
   print(f"\nds3 Q4_0 on {GPU}, float32, vs transformers (dequantized weights): {show(rel)}")
   assert max(rel) <= 5e-5 and same, rel

@@ -399,3 +399,27 @@ def test_gpu_rule_leaves_chunks_and_cpu_kernels_alone():
   assert gpu.packed_gemv(chunk) is None
   (cpu,) = schedulers(linear(Tensor.ones(1, 1, 1024).contiguous().realize(), packed("Q8_0", 64, 1024)))
   assert gpu.packed_gemv(cpu) is None
+
+def test_gpu_broadcast_streams_compute_their_gemv_once():
+  """deepseek4's hyper-connection update on a GPU renderer (models/deepseek4.py hc_post: 4 new streams, each the same
+  float GEMV's output times its own weight plus a mix of the old streams): the stream axis, which the GEMV does not read,
+  is upcast before anything else, so each thread computes the GEMV once for the 4 streams (left a launch axis, every
+  stream's threads ran the whole GEMV again); a kernel whose reduction reads every output axis is left alone. The
+  values equal numpy's to float32 rounding."""
+  from tg_ds4.backend.gpu import kernel_opts as gpu
+  from tg_ds4.models.deepseek4 import hc_post
+  rng, dev = np.random.default_rng(2), "PYTHON"
+  w, a = rng.standard_normal((256, 64)).astype(np.float32), rng.standard_normal((1, 1, 64)).astype(np.float32)
+  x, mix = rng.standard_normal((1, 1, 4, 256)).astype(np.float32), rng.standard_normal((4 + 16,)).astype(np.float32)
+  m = lambda i: Tensor(mix[i:i + 1], device=dev)
+  make = lambda: hc_post(Tensor(a, device=dev) @ Tensor(w, device=dev).T, Tensor(x, device=dev), [m(k) for k in range(4)],
+                         [[m(4 + 4 * j + k) for k in range(4)] for j in range(4)])
+  (k,) = [k for k in schedulers(make().contiguous(), Device[dev].renderer) if k.reduceop is not None]
+  assert 4 in k.full_shape and k.axis_types[k.full_shape.index(4)] is AxisType.GLOBAL
+  chosen = gpu.broadcast_rows(k)
+  ups = [o for o in chosen.applied_opts if o.op is OptOps.UPCAST]
+  assert ups and 4 not in [s for s, at in zip(chosen.full_shape, chosen.axis_types) if at is AxisType.GLOBAL], chosen.applied_opts
+  (plain,) = [k for k in schedulers((Tensor(a, device=dev) @ Tensor(w, device=dev).T).contiguous(), Device[dev].renderer)]
+  assert gpu.broadcast_rows(plain) is plain
+  want = np.stack([mix[k] * (a[0, 0] @ w.T) + sum(mix[4 + 4 * j + k] * x[0, 0, j] for j in range(4)) for k in range(4)])
+  assert np.abs(make().numpy()[0, 0] - want).max() <= 1e-5 * np.abs(want).max()

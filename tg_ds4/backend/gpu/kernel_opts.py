@@ -13,12 +13,18 @@ adjacent bytes and a warp reads whole runs of a row), their partial sums meeting
 threads per workgroup over several rows. Only GEMVs: a kernel whose output axes all move the weight and whose largest
 buffer is packed bytes, or a batched step's GEMV, whose token axis (at most `ROWS` rows) is upcast first, so each thread
 unpacks a weight byte once for every row (left to tinygrad, each thread walked whole rows as above). Everything else
-keeps tinygrad's choices. (Measured on an H200: README, GPU.)"""
+keeps tinygrad's choices. (Measured on an H200: README, GPU.)
+
+One more rule for every reducing kernel on these renderers (`broadcast_rows`): a small output axis that no reduction
+reads (deepseek4's hyper-connection streams, each the same GEMV's output plus its own mix of the old streams) is
+upcast before anything else, so each thread computes the reduction once for all of the axis. Left a launch axis, each
+stream's threads ran the whole GEMV again: 4x the work and the weight reads for one output."""
 from __future__ import annotations
 
 from tg_ds4.backend.compat import AxisType, KernelOptError, Ops, Opt, OptOps, Scheduler, prod
 
 THREADS, WORKGROUP = 32, 128  # threads per row at most (the grouped axis must divide by it), threads per workgroup
+BROADCAST = 8                 # a broadcast output axis (or several) at most this long is upcast whole (`broadcast_rows`)
 ROWS = 8                      # a token axis this long is a batched step's rows (runtime/runner.py's BATCHES); longer, a prefill chunk
 NESTED = (AxisType.REDUCE, AxisType.UNROLL, AxisType.GROUP_REDUCE)
 
@@ -28,6 +34,21 @@ def weight_operand(k: Scheduler):  # the operand that streams from memory: the l
 def _divisor(n: int, most: int) -> int:
   """The largest power of two <= most dividing n, else n's largest divisor <= most."""
   return next((d for d in (32, 16, 8, 4, 2) if d <= most and n % d == 0), None) or max(d for d in range(1, most + 1) if n % d == 0)
+
+def broadcast_rows(k: Scheduler) -> Scheduler:
+  """`k` with its small output axes that no reduction reads upcast (see the module docstring); `k` itself when there are
+  none or the upcast does not apply."""
+  if not getattr(k.ren, "has_local", False) or getattr(k.ren, "has_threads", False): return k
+  reduces = [u for u in k.ast.backward_slice if u.op is Ops.REDUCE]
+  if not reduces: return k
+  read = set().union(*(u.backward_slice for u in reduces))
+  axes = [a for a in k.axes_of(AxisType.GLOBAL) if isinstance(k.full_shape[a], int) and k.rngs[a] not in read]
+  if not axes or prod(k.full_shape[a] for a in axes) > BROADCAST: return k
+  alt = k.copy()
+  try:
+    for r in [k.rngs[a] for a in axes]: alt.apply_opt(Opt(OptOps.UPCAST, alt.rngs.index(r), 0))
+  except KernelOptError: return k
+  return alt
 
 def packed_gemv(k: Scheduler) -> Scheduler | None:
   """The opts for a packed-weight GEMV on a GPU renderer; None for any other kernel."""
