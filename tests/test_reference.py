@@ -14,7 +14,6 @@ import pytest
 
 from family import NEAR_TIE, dequantized_twin, file_formats, kl_divergence
 from tg_ds4 import backend
-from tg_ds4.quant import intdot
 from tg_ds4.runtime.runner import FEED_TOKENS, Runner
 
 ROOT = pathlib.Path(__file__).parent / "fixtures" / "deepseek2"
@@ -150,7 +149,7 @@ def int_dot_only(fam: str, q: str) -> bool:
   """Whether every packed format of the file is one the CPU takes integer dots for: "auto" numerics are then llama.cpp's."""
   import gguf
   types = {t.tensor_type.name for t in gguf.GGUFReader(ROOT / fam / manifest(fam)["ggufs"][q]["file"]).tensors} - {"F32"}
-  return types <= set(intdot.FORMATS)
+  return types <= set(backend.INT_DOT_FORMATS)
 
 # the default numerics on one Q4_0 and one Q8_0 file (where the CPU has integer dots): the same assertions as llama.cpp's
 AUTO_FILES = [fq for fq in QUANT_FILES if fq in {("ds3", "Q4_0"), ("glm", "Q8_0")}]

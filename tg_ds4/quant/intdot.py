@@ -16,7 +16,8 @@ does not depend on how many rows run with it. A gathered weight (nn/moe.py's exp
 selected matrix through its index.
 
 Used where the device's capabilities list the format (backend.Capabilities.int_dot_formats: the CPU device, tinygrad's
-internals as backend/compat.py expects, an x86 CPU with AVX2 and F16C, `TG_DS4_INT_DOT` not 0)."""
+internals as backend/compat.py expects, an x86 CPU with AVX2 and F16C, `TG_DS4_INT_DOT` not 0). Q2_K and IQ2_XXS run
+through the same `linear` on x rounded to Q8_K; their rounding kernel and block dots are quant/intdot_k.py's."""
 from __future__ import annotations
 
 import functools
@@ -25,12 +26,12 @@ from tinygrad import Tensor, dtypes
 
 from tg_ds4 import backend
 from tg_ds4.backend.compat import AxisType, Estimates, KernelInfo, UOp, prod
-from tg_ds4.quant import activations, ckernel, settings
+from tg_ds4.quant import activations, ckernel, intdot_k, settings
 
 # block bytes: an fp16 scale (Q4_1, Q5_1: and an fp16 minimum), Q5's 32 fifth bits, then nibbles or int8
 FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
 MINIMUM = ("Q4_1", "Q5_1")          # value d * q + m: x rounded to Q8_1, whose block sums carry the minimum
-assert set(FORMATS) == set(backend.INT_DOT_FORMATS)
+assert set(FORMATS) | set(intdot_k.FORMATS) == set(backend.INT_DOT_FORMATS)  # and Q2_K, IQ2_XXS: x rounded to Q8_K (intdot_k)
 MAX_ROWS = 8                        # rows of x per weight matrix kept in registers (8 accumulators of 8 floats)
 MAX_TILES = 16                      # a prefill chunk's rows against one weight (ungathered): up to this many tiles of
                                     # MAX_ROWS rows, each weight row unpacked once per tile while it sits in L1
@@ -257,29 +258,33 @@ def linear(x: Tensor, w, live: Tensor | None = None) -> Tensor:
   w `[*lead, out, in]` and x `[*lead', R, in]` (lead' broadcasts to lead) -> `[*lead, R, out]`. `live` (a gathered w:
   one int per matrix, shape `lead`): where 0, that matrix's outputs are 0 and cost nothing (nn/moe.py's unused tiles)."""
   fmt, (out, k), lead = w.qtype.name, w.shape[-2:], w.shape[:-2]
-  nb, L = k // 32, prod(lead)
+  q8k = fmt in intdot_k.FORMATS                                              # x rounded to Q8_K blocks of 256 (intdot_k)
+  block, block_bytes = (intdot_k.BLOCK, intdot_k.FORMATS[fmt]) if q8k else (32, FORMATS[fmt])
+  nb, L = k // block, prod(lead)
   shape = (*x.shape[:-1], out)
   if not lead: x = x.reshape(-1, k)                                           # [R, in]
   R = x.shape[-2]
   x8 = repacked(w)                                                           # ggml's repacked Q4_0 (_source_q4_0x8)
-  xq, *xs = _quantize(x, fmt in MINIMUM, x8)                                  # [..., R, nb, 32] int8; [..., R, nb] scales (, sums)
+  # [..., R, nb, block] int8; [..., R, nb] scales (, sums: Q8_1's [..., R, nb], Q8_K's [..., R, nb, 16])
+  xq, *xs = intdot_k.quantize(x) if q8k else _quantize(x, fmt in MINIMUM, x8)
+  if q8k and fmt not in intdot_k.BSUMS: xs = xs[:1]
   x_per_matrix = x.ndim > 2 and prod(x.shape[:-2]) > 1
   if x_per_matrix and tuple(x.shape[:-2]) != tuple(lead):                  # x broadcast over the matrices: copied out
     pad = (1,) * (len(lead) + 2 - x.ndim)
-    xq = xq.reshape(*pad, *xq.shape).expand(*lead, R, nb, 32).contiguous()
-    xs = [t.reshape(*pad, *t.shape).expand(*lead, R, nb).contiguous() for t in xs]
+    xq, *xs = [t.reshape(*pad, *t.shape).expand(*lead, *t.shape[x.ndim - 2:]).contiguous() for t in (xq, *xs)]
   xq_rows = (L if x_per_matrix else 1) * R
   base, idx = w._src
   gathered = bool(idx)
   srcs = {"OUT": Tensor.empty(L * R * out, dtype=dtypes.float32, device=w.device), "W": base.flatten(), "XQ": xq.flatten(), "XD": xs[0].flatten()}
-  if len(xs) > 1: srcs["XI" if x8 else "XS"] = xs[1].flatten()
+  if len(xs) > 1: srcs["XB" if q8k else "XI" if x8 else "XS"] = xs[1].flatten()
   if gathered: srcs["IDX"] = idx[0].cast(dtypes.int32).contiguous().flatten()
   if live is not None: srcs["LIVE"] = live.cast(dtypes.int32).contiguous().flatten()
+  srcs.update(intdot_k.tables(fmt, str(w.device)))
   names = [*srcs, "R"]
-  matrix_bytes = out * nb * FORMATS[fmt]
+  matrix_bytes = out * nb * block_bytes
   rows, tiles = (R, 1) if R <= MAX_ROWS else (MAX_ROWS, R // MAX_ROWS)    # a chunk: tiles of MAX_ROWS rows
   vnni = settings.current(str(w.device)).caps.int_dot_vnni
-  source = _source_q4_0x8 if x8 else functools.partial(_source, fmt)
+  source = functools.partial(intdot_k.source, fmt) if q8k else _source_q4_0x8 if x8 else functools.partial(_source, fmt)
   body = ckernel.format_string(source(nb, out, rows, matrix_bytes, gathered, x_per_matrix, tiles, vnni, live is not None), names)
   per = 8 if x8 else 1                                                       # output rows per statement
   n = L * out // per
@@ -290,8 +295,9 @@ def linear(x: Tensor, w, live: Tensor | None = None) -> Tensor:
     t, i = UOp.range(threads, 0, AxisType.THREAD), UOp.range(n // threads, 1)
     r = t * (n // threads) + i
     # what tinygrad cannot count in a C statement: the weight rows read once, x's int8 blocks and scales, the outputs
-    est = Estimates(ops=2 * L * R * out * k, lds=L * out * (tiles * nb * FORMATS[fmt] + R * nb * 36) + 4 * L * R * out,
-                    mem=L * out * nb * FORMATS[fmt] + xq_rows * nb * 36 + 4 * L * R * out)
+    xb = block + 4 + (32 if q8k else 0)                                      # x's bytes per block: values, scale (, Q8_K's sums)
+    est = Estimates(ops=2 * L * R * out * k, lds=L * out * (tiles * nb * block_bytes + R * nb * xb) + 4 * L * R * out,
+                    mem=L * out * nb * block_bytes + xq_rows * nb * xb + 4 * L * R * out)
     info = KernelInfo(name=f"{fmt.lower()}_intdot_{L}_{R}_{out}_{k}", estimates=est)
     return ckernel.statement_kernel(body, params, {0: (r * per) // out * (out * R) + (r * per) % out}, r, (i, t), info)
   y = Tensor.custom_kernel(*srcs.values(), fxn=kernel)[0]
