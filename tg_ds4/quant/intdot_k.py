@@ -2,7 +2,9 @@
 256 with a float32 scale and 16 int16 sums of 16 values, ggml's quantize_row_q8_K_ref, which quant/activations.py's
 _q8_k states as tensor ops), each weight block's integer dot product with it in eight int32 lanes, and eight float
 lanes per output accumulated over the blocks by fused multiply-adds, summed at the end as hsum_float_8 sums them
-(ggml's vec_dot_q2_K_q8_K and vec_dot_iq2_xxs_q8_K). quant/intdot.py runs these statements as it runs its own
+(ggml's vec_dot_q2_K_q8_K and vec_dot_iq2_xxs_q8_K). On a CPU with AVX-512, llama.cpp 0.3.36 instead repacks a Q2_K
+matrix whose row count is a multiple of 8 (repack.cpp's q2_K_8x8_q8_K): the same integers, its own float order, not
+reproduced here. quant/intdot.py runs these statements as it runs its own
 formats' (one output row per statement, several rows of x per weight block, gathered experts, prefill tiles); this
 module holds what differs: the Q8_K rounding kernel and the block dots.
 
