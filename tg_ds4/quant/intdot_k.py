@@ -12,9 +12,10 @@ Lane l of a block's integer sum holds the products of the values 4l..4l+3 of eve
 then `vpmaddwd`, or one `vpdpbusd`, leave in lane l), each times its sub-block's scale. Those integers are exact in any
 order, so only the float steps need llama.cpp's order:
 - Q2_K: acc = fma(-d_x * dmin_w, float(mins . bsums lane l), acc), then acc = fma(d_x * d_w, float(lane l), acc), where
-  lane l of the mins term is min(2l) * bsum(2l) + min(2l+1) * bsum(2l+1). A 2-bit value times its 4-bit scale fits an
-  unsigned byte, so a block's 8 planes of 32 are scaled once when the block is unpacked and each row's dot is one
-  multiply-add instruction per plane (VNNI) or two (AVX2).
+  lane l of the mins term is min(2l) * bsum(2l) + min(2l+1) * bsum(2l+1). A GEMV multiplies each plane's int16 pair
+  sums by their scales (`vpmaddwd`, as llama.cpp); prefill tiles scale the values once per weight row instead (a 2-bit
+  value times its 4-bit scale fits an unsigned byte), and each row's dot is then one multiply-add instruction per
+  plane (VNNI) or two (AVX2).
 - IQ2_XXS: each 32 values are 4 rows of 8 from a 256-entry grid (bytes 8, 25, 43) with 4 x 7 sign bits and a 4-bit
   scale s; x takes the signs (`vpsignb`), the lanes are summed with weight 2s + 1, acc = fma(d_w * d_x, float(lane l),
   acc), and the result is 0.125 * hsum. The grid and the sign patterns are two small tables read by the kernel."""
@@ -68,22 +69,28 @@ _HEAD = {
 _PLANE = {
   "Q2_K": ("""v32u bits_; __builtin_memcpy(&bits_, blk_ + 16 + (p_ >> 2) * 32, 32);
         const unsigned char lo_ = blk_[2 * p_] & 15, hi_ = blk_[2 * p_ + 1] & 15;
-        const v32u sc_ = {%s};
-        const v32u q_ = ((bits_ >> (unsigned char)(2 * (p_ & 3))) & (unsigned char)3) * sc_;""" % ",".join(["lo_"] * 16 + ["hi_"] * 16),
-           [("v32u", "q_")]),
+        const v32u q_ = (bits_ >> (unsigned char)(2 * (p_ & 3))) & (unsigned char)3;
+        const v16s scl_ = {%s};""" % ",".join(["lo_"] * 8 + ["hi_"] * 8), [("v32u", "q_"), ("v16s", "scl_")]),
   "IQ2_XXS": ("""unsigned int a_, m_; __builtin_memcpy(&a_, blk_ + 2 + 8 * p_, 4); __builtin_memcpy(&m_, blk_ + 6 + 8 * p_, 4);
         const v32u q_ = (v32u)(v4q){grid_[a_ & 255], grid_[(a_ >> 8) & 255], grid_[(a_ >> 16) & 255], grid_[a_ >> 24]};
         const v32c sg_ = (v32c)(v4q){signs_[m_ & 127], signs_[(m_ >> 7) & 127], signs_[(m_ >> 14) & 127], signs_[(m_ >> 21) & 127]};
         const short l_ = (short)(2 * (m_ >> 28) + 1);
         const v16s ls_ = {%s};""" % ",".join(["l_"] * 16), [("v32u", "q_"), ("v32c", "sg_"), ("v16s", "ls_")])}
+# prefill tiles: Q2_K's values times their scales once per weight row (a 2-bit value times a 4-bit scale fits a byte),
+# so that each row's dot is one multiply-add per plane; a GEMV takes the scales per row instead (llama.cpp's
+# vpmaddwd with them), which costs less than the byte multiplies where the block is unpacked for one row
+_SCALED = """const v32u sc_ = {%s};
+        const v32u q_ = uq_ * sc_;""" % ",".join(["lo_"] * 16 + ["hi_"] * 16)
 _TABLES = {"Q2_K": "",
            "IQ2_XXS": "const unsigned long long *grid_ = (const unsigned long long *)@GRID@, *signs_ = (const unsigned long long *)@SIGNS@;"}
 
-def _step(fmt: str, vnni: bool) -> str:
-  """Row r_'s lanes `s_[r_]` += plane p_ of the block against the row's 32 int8 `xv_`."""
-  if fmt == "Q2_K":
+def _step(fmt: str, vnni: bool, scaled: bool) -> str:
+  """Row r_'s lanes `s_[r_]` += plane p_ of the block against the row's 32 int8 `xv_` (`scaled`: Q2_K's values already
+  times their scales)."""
+  if fmt == "Q2_K" and scaled:
     return ("s_[r_] = __builtin_ia32_vpdpbusd256(s_[r_], (v8i)q_, (v8i)xv_);" if vnni else
             f"s_[r_] = s_[r_] + __builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256((v32c)q_, xv_), {_splat('1', 'v16s', 16)});")
+  if fmt == "Q2_K": return "s_[r_] = s_[r_] + __builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256((v32c)q_, xv_), scl_);"
   return "s_[r_] = s_[r_] + __builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256((v32c)q_, __builtin_ia32_psignb256(xv_, sg_)), ls_);"
 
 def _finish(fmt: str) -> str:
@@ -105,6 +112,8 @@ def source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered: 
   mat = ("((const int *)@IDX@)[@R@ / %d]" if gathered else "@R@ / %d") % out
   xrow = "(@R@ / %d) * %d" % (out, total) if x_per_matrix else "0"
   (head, hv), (plane, pv) = _HEAD[fmt], _PLANE[fmt]
+  scaled = fmt == "Q2_K" and tiles > 1
+  if scaled: plane, pv = plane.replace("const v32u q_ =", "const v32u uq_ =") + "\n        " + _SCALED, [("v32u", "q_")]
   blk = f"const unsigned char *blk_ = w_ + (long)b_ * {bb};"
   if tiles == 1: prologue = ""
   else:
@@ -135,7 +144,7 @@ def source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered: 
         {plane}
         for (int r_ = 0; r_ < {rows}; r_++) {{
           v32c xv_; __builtin_memcpy(&xv_, (const signed char *)@XQ@ + ((long)(xr_ + r_) * {nb} + b_) * {BLOCK} + 32 * p_, 32);
-          {_step(fmt, vnni)}
+          {_step(fmt, vnni, scaled)}
         }}
       }}
       for (int r_ = 0; r_ < {rows}; r_++) {{
