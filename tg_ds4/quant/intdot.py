@@ -279,7 +279,6 @@ def linear(x: Tensor, w, live: Tensor | None = None) -> Tensor:
   if len(xs) > 1: srcs["XB" if q8k else "XI" if x8 else "XS"] = xs[1].flatten()
   if gathered: srcs["IDX"] = idx[0].cast(dtypes.int32).contiguous().flatten()
   if live is not None: srcs["LIVE"] = live.cast(dtypes.int32).contiguous().flatten()
-  srcs.update(intdot_k.tables(fmt, str(w.device)))
   names = [*srcs, "R"]
   matrix_bytes = out * nb * block_bytes
   rows, tiles = (R, 1) if R <= MAX_ROWS else (MAX_ROWS, R // MAX_ROWS)    # a chunk: tiles of MAX_ROWS rows

@@ -18,7 +18,7 @@ order, so only the float steps need llama.cpp's order:
   plane (VNNI) or two (AVX2).
 - IQ2_XXS: each 32 values are 4 rows of 8 from a 256-entry grid (bytes 8, 25, 43) with 4 x 7 sign bits and a 4-bit
   scale s; x takes the signs (`vpsignb`), the lanes are summed with weight 2s + 1, acc = fma(d_w * d_x, float(lane l),
-  acc), and the result is 0.125 * hsum. The grid and the sign patterns are two small tables read by the kernel."""
+  acc), and the result is 0.125 * hsum. The grid and the sign patterns (gguf-py's) are constant arrays in the kernel."""
 from __future__ import annotations
 
 import functools
@@ -42,15 +42,6 @@ def _table_values() -> dict[str, np.ndarray]:
   bits = (np.frombuffer(IQ2_XXS.ksigns, dtype=np.uint8)[:, None] >> np.arange(8)) & 1
   return {"GRID": grid.reshape(-1), "SIGNS": np.where(bits == 1, -1, 1).astype(np.int8).reshape(-1)}  # ggml's keven_signs_q2xs
 
-def tables(fmt: str, device: str) -> dict[str, Tensor]:
-  """The extra inputs of `fmt`'s statement: IQ2_XXS's grid (256 x 8 bytes) and sign patterns (128 x 8 of +-1)."""
-  if fmt != "IQ2_XXS": return {}
-  return {k: _device_table(k, device) for k in ("GRID", "SIGNS")}
-
-@functools.cache
-def _device_table(name: str, device: str) -> Tensor:
-  v = _table_values()[name]
-  return Tensor(v.view(np.int8) if v.dtype == np.uint8 else v, device=device).realize()
 
 _TYPES = """typedef signed char v32c __attribute__((vector_size(32))); typedef unsigned char v32u __attribute__((vector_size(32)));
   typedef short v16s __attribute__((vector_size(32))); typedef int v8i __attribute__((vector_size(32)));
@@ -81,8 +72,15 @@ _PLANE = {
 # vpmaddwd with them), which costs less than the byte multiplies where the block is unpacked for one row
 _SCALED = """const v32u sc_ = {%s};
         const v32u q_ = uq_ * sc_;""" % ",".join(["lo_"] * 16 + ["hi_"] * 16)
-_TABLES = {"Q2_K": "",
-           "IQ2_XXS": "const unsigned long long *grid_ = (const unsigned long long *)@GRID@, *signs_ = (const unsigned long long *)@SIGNS@;"}
+@functools.cache
+def _c_tables() -> str:
+  """IQ2_XXS's grid (256 rows of 8 bytes) and sign patterns (128 of 8 bytes of +-1) as constant C arrays of 64-bit rows
+  in the statement (compiled into the kernel: no buffer to load or capture)."""
+  v = _table_values()
+  rows = lambda a: ",".join(f"{x}ULL" for x in a.view(np.uint64))
+  return (f"static const unsigned long long grid_[256] = {{{rows(v['GRID'])}}};\n  "
+          f"static const unsigned long long signs_[128] = {{{rows(v['SIGNS'].view(np.uint8))}}};")
+
 
 def _step(fmt: str, vnni: bool, scaled: bool) -> str:
   """Row r_'s lanes `s_[r_]` += plane p_ of the block against the row's 32 int8 `xv_` (`scaled`: Q2_K's values already
@@ -129,7 +127,7 @@ def source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered: 
   return f"""({{ {_TYPES}
   const unsigned char *w_ = (const unsigned char *)@W@ + (long)({mat}) * {matrix_bytes}L + (long)(@R@ % {out}) * {nb * bb};
   const int live_ = {"((const int *)@LIVE@)[@R@ / %d]" % out if live else "1"};
-  {_TABLES[fmt]}
+  {_c_tables() if fmt == 'IQ2_XXS' else ''}
   {prologue}
   for (int t_ = 0; t_ < {tiles}; t_++) {{
     const int xr_ = {xrow} + t_ * {rows};
