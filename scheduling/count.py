@@ -1,11 +1,16 @@
 """Kernels and bytes per block kind for one decode token and one prefill chunk, for the backend that DEV names.
 
-  DEV=<target> python scheduling/count.py FILE.gguf ... [--json] [--steps decode|prefill|decode,prefill]
+  DEV=<target> python scheduling/count.py FILE.gguf ... [--json] [--steps decode|prefill|decode,prefill] [--kernels-only]
 
 Targets: CPU (the machine's own, kernels run on empty inputs), NULL (scheduled and lowered by tinygrad's generic C
 renderer, nothing runs) and NULL-device targets that lower for a GPU without one: NULL:CUDA:sm_90 (NVRTC from NVIDIA's
 PyPI wheel), NULL:METAL (rendered; a stand-in compiler off macOS), NULL::gfx1100 (AMD), NULL:OPENCL, NULL:WGSL
-(WebGPU). compat.lowering_target prepares the GPU ones; scheduling/budgets.toml holds the budgets per backend."""
+(WebGPU). compat.lowering_target prepares the GPU ones; scheduling/budgets.toml holds the budgets per backend.
+
+--kernels-only lowers without kernel opts (NOOPT=1): how many kernels a step takes is the scheduler's choice, made
+before any opt, so the counts are the same, and lowering without upcasts and unrolls takes about half the time. The
+bytes are not the same (an upcast GEMV reads x once per tile of rows, the plain kernel once per row; a gather's
+estimate differs too), so none are reported. A GPU renderer's opts are what must render: its counts keep them."""
 import argparse, json, os, sys
 
 from tg_ds4.backend import compat
@@ -68,10 +73,13 @@ def counts(model: Model, T: int) -> dict[str, dict[str, float]]:
                                                 "packed": _packed_bytes(model.output)}
   return out
 
-def file_counts(path: str, steps: list[str]) -> dict:
+def file_counts(path: str, steps: list[str], with_bytes: bool = True) -> dict:
   model = Runner.load(path, max_ctx=64).model
   res = {"decode": counts(model, 1)} if "decode" in steps else {}
   if "prefill" in steps: res.update(prefill=counts(model, model.PREFILL_CHUNKS[0]), prefill_tokens=model.PREFILL_CHUNKS[0])
+  if not with_bytes:
+    for step in ("decode", "prefill"):
+      for c in res.get(step, {}).values(): c["bytes"] = None
   return res
 
 if __name__ == "__main__":
@@ -79,13 +87,14 @@ if __name__ == "__main__":
   ap.add_argument("files", nargs="+")
   ap.add_argument("--json", action="store_true")
   ap.add_argument("--steps", default="decode,prefill", help="decode, prefill or both (default)")
+  ap.add_argument("--kernels-only", action="store_true", help="counts only, lowered without kernel opts (no bytes: they depend on the opts)")
   args = ap.parse_args()
   if (backend := BACKENDS.get(DEV)) is None: sys.exit(f"DEV={DEV}: count.py knows {', '.join(BACKENDS)}")
   # compile in this process: a stand-in compiler (compat.lowering_target) exists only here, not in tinygrad's workers
   res, failed = {"backend": backend, "device": Device.DEFAULT, "files": {}}, []
-  with Context(PARALLEL=0 if backend == "METAL" else PARALLEL.value):
+  with Context(PARALLEL=0 if backend == "METAL" else PARALLEL.value, **({"NOOPT": 1} if args.kernels_only else {})):
     for p in args.files:
-      try: res["files"][p] = file_counts(p, args.steps.split(","))
+      try: res["files"][p] = file_counts(p, args.steps.split(","), not args.kernels_only)
       except Exception as e:  # noqa: BLE001  (a renderer that cannot express a kernel: one line, the other files go on)
         failed.append(f"{p}: {backend} cannot lower it: {type(e).__name__}: {e} ({type(Device[Device.DEFAULT].renderer).__name__})")
   if args.json: print(json.dumps(res))
@@ -94,5 +103,6 @@ if __name__ == "__main__":
       print(f"{p} ({backend})")
       for step in ("decode", "prefill"):
         for k, v in r.get(step, {}).items():
-          print(f"  {step:<8}{k:<24} {v['kernels']:>3} kernels  {v['bytes'] / max(v['packed'], 1):.3f}x packed bytes")
+          read = "" if v["bytes"] is None else f"  {v['bytes'] / max(v['packed'], 1):.3f}x packed bytes"
+          print(f"  {step:<8}{k:<24} {v['kernels']:>3} kernels{read}")
   if failed: sys.exit("\n".join(failed))

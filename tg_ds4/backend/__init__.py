@@ -1,7 +1,8 @@
 """What differs per device, behind one seam.
 - `Capabilities` (`capabilities(device)`): what the maths may count on and should prefer on a device, resolved once
   when a model is loaded; the blocks and packed matmuls read it, never the device itself.
-- `prepare_device`: for the CPU (backend/cpu), tinygrad's kernel heuristic patched for quantized GEMVs and chunk GEMMs
+- `prepare_device`: for every device, the scheduler's store-hazard checks without a walk of the whole graph per store
+  (store_hazard); for the CPU (backend/cpu), tinygrad's kernel heuristic patched for quantized GEMVs and chunk GEMMs
   (kernel_opts) and clang's vectorizer capped (compiler); for GPU renderers (backend/gpu), the packed GEMVs' kernel
   opts. Installed when a model is loaded, never on import, and only where backend/compat.py says tinygrad's internals
   are the ones they were written for.
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 from tinygrad import Device
 
-from tg_ds4.backend import compat, programs
+from tg_ds4.backend import compat, programs, store_hazard
 from tg_ds4.backend.compat import CapturedJit
 
 def on_cpu(device: str | None) -> bool: return (device or Device.DEFAULT).split(":")[0] == "CPU"
@@ -100,10 +101,12 @@ def _vnni_cpu() -> bool:
   return "avx_vnni" in flags or {"avx512_vnni", "avx512vl"} <= flags
 
 def prepare_device(device: str) -> None:
-  """Before anything is lowered for `device`: our kernel heuristic (backend/cpu/kernel_opts.py on CPU renderers, the
-  CPU device or NULL lowering for it; backend/gpu/kernel_opts.py's packed GEMVs on GPU renderers) and, where clang
-  compiles the kernels, its vectorizer's cap (backend/cpu/compiler.py), unless backend/compat.py says they stay off."""
+  """Before anything is scheduled or lowered for `device`: the store-hazard checks (backend/store_hazard.py), our
+  kernel heuristic (backend/cpu/kernel_opts.py on CPU renderers, the CPU device or NULL lowering for it;
+  backend/gpu/kernel_opts.py's packed GEMVs on GPU renderers) and, where clang compiles the kernels, its vectorizer's
+  cap (backend/cpu/compiler.py), unless backend/compat.py says they stay off."""
   programs.install()  # kernels lowered by other processes (TG_DS4_PROGRAM_CACHE=1)
+  store_hazard.install()  # the scheduler's per-store hazard checks without a walk of the whole graph each
   compat.per_thread_compile_cache()  # serve compiles in its worker thread
   ren = Device[device].renderer
   cpu, gpu = getattr(ren, "has_threads", False), ren.has_local and ren.has_shared  # (NULL's generic renderer is neither)

@@ -32,6 +32,9 @@ try:
   from tinygrad.renderer.cstyle import ClangRenderer  # noqa: F401
   from tinygrad.runtime.ops_cpu import MAX_ARGS, CPUProgram  # noqa: F401
   from tinygrad.runtime.support.compiler_cpu import ClangCompiler  # noqa: F401
+  from tinygrad.schedule import indexing as schedule_indexing, rangeify as schedule_rangeify  # noqa: F401  (backend/store_hazard.py)
+  from tinygrad.uop.ops import upat_interpret  # noqa: F401  (backend/store_hazard.py)
+  from tinygrad.uop.upat import upat_compile  # noqa: F401  (backend/store_hazard.py)
   _CPU_IMPORT_ERROR: str | None = None
 except (ImportError, AttributeError) as e:  # another release moved something
   _CPU_IMPORT_ERROR = str(e)
