@@ -87,6 +87,8 @@ def copy_in(buf: Buffer, data: memoryview) -> None:
 
 def fast_replay_on() -> bool: return os.environ.get("TG_DS4_FAST_REPLAY", "1") != "0" and internals_match()
 
+def fast_schedule_on() -> bool: return os.environ.get("TG_DS4_FAST_SCHEDULE", "1") != "0" and internals_match()
+
 def lowering_target(dev: str) -> None:
   """Make a NULL-device GPU target (`DEV=NULL:<renderer>[:<arch>]`: scheduled and lowered, nothing runs) lowerable on
   a machine with no GPU and no vendor toolkit; call before tinygrad opens the device. CUDA compiles with NVRTC from

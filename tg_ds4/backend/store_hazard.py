@@ -18,7 +18,7 @@ Installed by backend.prepare_device for every device, on the release backend/com
 leaves tinygrad's checks as they are."""
 from __future__ import annotations
 
-import os, threading, types, weakref
+import threading, types, weakref
 
 from tg_ds4.backend import compat
 
@@ -30,8 +30,6 @@ _lock = threading.Lock()
 _masks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # node -> bitmask of the buffers it reads
 _bits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # buffer node -> its bit
 _next_bit = 0
-
-def enabled() -> bool: return os.environ.get("TG_DS4_FAST_SCHEDULE", "1") != "0" and compat.internals_match()
 
 def _mask(root) -> int:
   global _next_bit
@@ -85,7 +83,7 @@ def install() -> None:
   (tinygrad's own fix_store_hazard is kept, as a copy, for the stores that do read their buffer), and matchers already
   compiled are compiled again."""
   global _installed
-  if _installed or not enabled(): return
+  if _installed or not compat.fast_schedule_on(): return
   fix, realize_after = compat.schedule_rangeify.fix_store_hazard, compat.schedule_indexing.realize_store_after_src
   if fix.__code__.co_varnames[:2] != ("target", "src") or realize_after.__code__.co_varnames[:3] != ("ctx", "dest", "src"): return
   stock = types.FunctionType(fix.__code__, fix.__globals__, "fix_store_hazard", fix.__defaults__, fix.__closure__)
