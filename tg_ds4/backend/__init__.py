@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from tinygrad import Device
 
 from tg_ds4.backend import compat, programs, store_hazard
+from tg_ds4.backend.cpu import batch_compile
 from tg_ds4.backend.compat import CapturedJit
 
 def on_cpu(device: str | None) -> bool: return (device or Device.DEFAULT).split(":")[0] == "CPU"
@@ -105,6 +106,7 @@ def prepare_device(device: str) -> None:
   kernel heuristic (backend/cpu/kernel_opts.py on CPU renderers, the CPU device or NULL lowering for it;
   backend/gpu/kernel_opts.py's packed GEMVs on GPU renderers) and, where clang compiles the kernels, its vectorizer's
   cap (backend/cpu/compiler.py), unless backend/compat.py says they stay off."""
+  batch_compile.install()  # a schedule's CPU kernels compiled by one clang process (before programs: it saves their binaries)
   programs.install()  # kernels lowered by other processes (TG_DS4_PROGRAM_CACHE=1)
   store_hazard.install()  # the scheduler's per-store hazard checks without a walk of the whole graph each
   compat.per_thread_compile_cache()  # serve compiles in its worker thread

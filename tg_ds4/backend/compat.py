@@ -18,7 +18,7 @@ from tinygrad.engine import realize  # noqa: F401  (profile times kernels throug
 from tinygrad.engine.jit import CapturedJit, JitError, _copy_input, _TinyJit  # noqa: F401
 from tinygrad.function import function  # noqa: F401
 from tinygrad.renderer import Estimates  # noqa: F401
-from tinygrad.helpers import DEBUG, NUM_CPU_THREADS, PARALLEL, PROFILE, ContextVar, GlobalCounters, perf_counter_us, prod, to_tuple  # noqa: F401
+from tinygrad.helpers import BEAM, DEBUG, NUM_CPU_THREADS, PARALLEL, PROFILE, ContextVar, GlobalCounters, perf_counter_us, prod, to_tuple  # noqa: F401
 from tinygrad.uop.ops import AxisType, KernelInfo, Ops, PatternMatcher, UOp, UPat, buffers, graph_rewrite, remove_all_tags, sym_infer  # noqa: F401
 
 # the CPU machinery's (backend/cpu), used only when internals_match()
@@ -88,6 +88,8 @@ def copy_in(buf: Buffer, data: memoryview) -> None:
 def fast_replay_on() -> bool: return os.environ.get("TG_DS4_FAST_REPLAY", "1") != "0" and internals_match()
 
 def fast_schedule_on() -> bool: return os.environ.get("TG_DS4_FAST_SCHEDULE", "1") != "0" and internals_match()
+
+def batch_compile_on() -> bool: return os.environ.get("TG_DS4_BATCH_COMPILE", "1") != "0" and internals_match()
 
 def lowering_target(dev: str) -> None:
   """Make a NULL-device GPU target (`DEV=NULL:<renderer>[:<arch>]`: scheduled and lowered, nothing runs) lowerable on
