@@ -7,10 +7,10 @@ renderer, nothing runs) and NULL-device targets that lower for a GPU without one
 PyPI wheel), NULL:METAL (rendered; a stand-in compiler off macOS), NULL::gfx1100 (AMD), NULL:OPENCL, NULL:WGSL
 (WebGPU). compat.lowering_target prepares the GPU ones; scheduling/budgets.toml holds the budgets per backend.
 
---kernels-only lowers without kernel opts (NOOPT=1): how many kernels a step takes is the scheduler's choice, made
-before any opt, so the counts are the same, and lowering without upcasts and unrolls takes about half the time. The
-bytes are not the same (an upcast GEMV reads x once per tile of rows, the plain kernel once per row; a gather's
-estimate differs too), so none are reported. A GPU renderer's opts are what must render: its counts keep them."""
+--kernels-only schedules and lowers nothing: how many kernels a step takes is the scheduler's choice, made before
+any lowering, so the counts are the scheduled calls, the same that running them counts. The bytes read come from the
+lowered kernels (an upcast GEMV reads x once per tile of rows, the plain kernel once per row), so none are reported. A
+GPU renderer's kernels must render: its counts lower them."""
 import argparse, json, os, sys
 
 from tg_ds4.backend import compat
@@ -44,9 +44,16 @@ def block_kind(model: Model, i: int) -> str:
     (" shared-KV" if getattr(b.attn, "kv_from", None) is not None else "") + \
     ((" DSA" if b.attn.indexer is not None else " DSA-shared") if cfg.idx_top_k else "")  # gemma, gpt2, bitnet, gemma4, DSA
 
-def counts(model: Model, T: int) -> dict[str, dict[str, float]]:
+def realize(lower: bool, *ts: Tensor) -> None:
+  """Tensor.realize, or without `lower` (--kernels-only) the schedule only: the tensors then stand for their unwritten
+  buffers, as after a realize, and GlobalCounters.kernel_count grows by the calls that running them would count."""
+  if lower: return Tensor.realize(*ts) and None
+  todo = [t for t in ts if not t.uop.is_virtual and not t.uop.has_buffer_identity()]
+  if todo: GlobalCounters.kernel_count += sum(len(compat.realize.get_call_kernels(c)) for c in Tensor.linear_with_vars(*todo)[0].src)
+
+def counts(model: Model, T: int, lower: bool = True) -> dict[str, dict[str, float]]:
   """{block kind: {kernels, bytes, packed}} for T tokens at position 7 (T=1: a decode step; else a prefill chunk), plus
-  the head (with greedy sampling for a decode step)."""
+  the head (with greedy sampling for a decode step); without `lower`, the steps are scheduled only (bytes 0)."""
   cfg, out, pos = model.cfg, {}, UOp.variable("start_pos", 0, model.max_ctx - 1).bind(7)
   ds4 = isinstance(model, DS4Transformer)  # hyper-connection streams in, token ids for hash routing
   tokens = UOp.variable("token", 0, cfg.n_vocab - 1).bind(1) if T == 1 else Tensor.zeros(1, T, dtype=dtypes.int32).contiguous().realize()
@@ -57,26 +64,25 @@ def counts(model: Model, T: int) -> dict[str, dict[str, float]]:
     x = Tensor.empty(1, T, *((cfg.hc,) if ds4 else ()), cfg.dim).realize()
     if (src := getattr(b.attn, "kv_from", None)) is not None and src not in kvs:
       s = model.blk[src]
-      s(x, pos, model.rope_swa if s.swa else model.rope, kvs, pl).realize()
-      kvs[src] = kvs[src].realize()
+      realize(lower, s(x, pos, model.rope_swa if s.swa else model.rope, kvs, pl))
+      realize(lower, kvs[src])
     if not ds4 and cfg.idx_top_k and b.attn.indexer is None:  # a shared DSA layer: its source's selection
-      kvs.setdefault("dsa", {}).update({k: v.realize() for k, v in kvs.get("dsa", {}).items()})
+      realize(lower, *kvs.get("dsa", {}).values())
     GlobalCounters.reset()
-    if ds4: b(x, tokens, pos, model.tabs).realize()
-    else: b(x, pos, model.rope_swa if b.swa else model.rope, kvs, pl).realize()
+    realize(lower, b(x, tokens, pos, model.tabs) if ds4 else b(x, pos, model.rope_swa if b.swa else model.rope, kvs, pl))
     out[kind] = {"kernels": GlobalCounters.kernel_count, "bytes": GlobalCounters.global_mem, "packed": _packed_bytes(b)}
   x = Tensor.empty(1, T, *((cfg.hc,) if ds4 else ()), cfg.dim).realize()
   GlobalCounters.reset()
   logits = model.output(model.output_norm(model.output_hc.head(x) if ds4 else x))
-  (greedy(logits[:, -1]) if T == 1 else logits).realize()
+  realize(lower, greedy(logits[:, -1]) if T == 1 else logits)
   out["head+sampling" if T == 1 else "head"] = {"kernels": GlobalCounters.kernel_count, "bytes": GlobalCounters.global_mem,
                                                 "packed": _packed_bytes(model.output)}
   return out
 
 def file_counts(path: str, steps: list[str], with_bytes: bool = True) -> dict:
   model = Runner.load(path, max_ctx=64).model
-  res = {"decode": counts(model, 1)} if "decode" in steps else {}
-  if "prefill" in steps: res.update(prefill=counts(model, model.PREFILL_CHUNKS[0]), prefill_tokens=model.PREFILL_CHUNKS[0])
+  res = {"decode": counts(model, 1, with_bytes)} if "decode" in steps else {}
+  if "prefill" in steps: res.update(prefill=counts(model, model.PREFILL_CHUNKS[0], with_bytes), prefill_tokens=model.PREFILL_CHUNKS[0])
   if not with_bytes:
     for step in ("decode", "prefill"):
       for c in res.get(step, {}).values(): c["bytes"] = None
@@ -87,12 +93,12 @@ if __name__ == "__main__":
   ap.add_argument("files", nargs="+")
   ap.add_argument("--json", action="store_true")
   ap.add_argument("--steps", default="decode,prefill", help="decode, prefill or both (default)")
-  ap.add_argument("--kernels-only", action="store_true", help="counts only, lowered without kernel opts (no bytes: they depend on the opts)")
+  ap.add_argument("--kernels-only", action="store_true", help="counts only, scheduled and not lowered (no bytes: they come from the lowered kernels)")
   args = ap.parse_args()
   if (backend := BACKENDS.get(DEV)) is None: sys.exit(f"DEV={DEV}: count.py knows {', '.join(BACKENDS)}")
   # compile in this process: a stand-in compiler (compat.lowering_target) exists only here, not in tinygrad's workers
   res, failed = {"backend": backend, "device": Device.DEFAULT, "files": {}}, []
-  with Context(PARALLEL=0 if backend == "METAL" else PARALLEL.value, **({"NOOPT": 1} if args.kernels_only else {})):
+  with Context(PARALLEL=0 if backend == "METAL" else PARALLEL.value):
     for p in args.files:
       try: res["files"][p] = file_counts(p, args.steps.split(","), not args.kernels_only)
       except Exception as e:  # noqa: BLE001  (a renderer that cannot express a kernel: one line, the other files go on)

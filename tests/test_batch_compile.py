@@ -2,7 +2,7 @@
 kernel give the same results, bit for bit, as each kernel compiled by a clang process of its own (tinygrad's way): an
 IQ2_XXS GEMV on llama.cpp's rounding of x (our C with a function-scope table of grid rows), float kernels with constant
 pools and vector types, a reduction. Each run in a process of its own with an empty compile cache, so that every kernel
-is compiled there."""
+is compiled there (and counted: the program counts the clang processes this process starts)."""
 import json, os, subprocess, sys
 
 import numpy as np
@@ -37,18 +37,20 @@ Tensor.realize(*outs)
 print(json.dumps({"clang": len(compiled), "outs": [o.numpy().tobytes().hex() for o in outs]}))
 """
 
-def _run(tmp_path, batch: str) -> dict:
-  env = {**os.environ, "TG_DS4_BATCH_COMPILE": batch, "PARALLEL": "0", "XDG_CACHE_HOME": str(tmp_path / f"xdg{batch}"),
-         "TG_DS4_CACHE": str(tmp_path / f"cache{batch}"), "TG_DS4_PROGRAM_CACHE": "0", "DEV": "CPU"}
+def _run(tmp_path, batch: str, parallel: str = "0") -> dict:
+  env = {**os.environ, "TG_DS4_BATCH_COMPILE": batch, "PARALLEL": parallel, "XDG_CACHE_HOME": str(tmp_path / f"xdg{batch}{parallel}"),
+         "TG_DS4_CACHE": str(tmp_path / f"cache{batch}{parallel}"), "TG_DS4_PROGRAM_CACHE": "0", "DEV": "CPU"}
   r = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True, timeout=600, env=env)
   assert r.returncode == 0, r.stderr[-3000:]
   return json.loads(r.stdout.strip().splitlines()[-1])
 
 def test_one_clang_process_same_bits(tmp_path):
-  alone, batched = _run(tmp_path, "0"), _run(tmp_path, "1")
+  """Lowered in the process (PARALLEL=0): one clang process. In tinygrad's compile pool the workers compile each kernel
+  as tinygrad does (none in this process), with the same results."""
+  alone, batched, pooled = _run(tmp_path, "0"), _run(tmp_path, "1"), _run(tmp_path, "1", parallel="2")
   print(f"\n{alone['clang']} kernels: {alone['clang']} clang processes alone, {batched['clang']} batched")
-  assert alone["clang"] >= 6 and batched["clang"] == 1
-  assert batched["outs"] == alone["outs"]
+  assert alone["clang"] >= 6 and batched["clang"] == 1 and pooled["clang"] == 0
+  assert batched["outs"] == alone["outs"] and pooled["outs"] == alone["outs"]
   gemv = np.frombuffer(bytes.fromhex(alone["outs"][0]), np.float32)
   assert np.isfinite(gemv).all() and np.abs(gemv).max() > 0  # a GEMV that computed something
 

@@ -34,7 +34,7 @@ TARGETS = {"CPU": ("CPU", "NULL", "decode", FILES + [REAL["smollm2"], REAL["gemm
            "CPU-prefill": ("CPU", "NULL", "prefill", PREFILL_FILES),
            "CUDA": ("CUDA", "NULL:CUDA:sm_90", "decode", GPU_FILES), "METAL": ("METAL", "NULL:METAL", "decode", GPU_FILES),
            "WEBGPU": ("WEBGPU", "NULL:WGSL", "decode", GPU_FILES)}
-# the CPU runs count kernels (`count.py --kernels-only`: the same counts, lowered without opts in about half the time)
+# the CPU runs count kernels (`count.py --kernels-only`: the same counts from the schedule, nothing lowered)
 # but for the files whose bytes test_no_dequantized_weight_copies reads; the GPU runs lower with their renderer's opts,
 # which must render
 WITH_BYTES = {"CPU": BYTES_FILES, "CPU-prefill": set()}

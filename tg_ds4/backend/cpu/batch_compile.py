@@ -1,75 +1,88 @@
-"""The kernels of one schedule compiled by one clang process (`TG_DS4_BATCH_COMPILE=0` turns it off).
+"""The kernels of one schedule compiled by one clang process, not one each (`TG_DS4_BATCH_COMPILE=0` turns it off).
 
 tinygrad compiles each CPU kernel with a clang process of its own. clang is linked against LLVM's shared libraries, and
 starting it (loading and relocating them) costs more than compiling a typical kernel: a step's hundreds of kernels
 spend most of their compile time starting clang. A cold start's capture, and every test that lowers a new step, pays it.
 
-Here, while tinygrad lowers the kernels of one schedule (`realize.lower_and_compile`, serially: no compile pool, no
-BEAM), each CPU kernel's C source is set aside instead of compiled (its program carries a placeholder binary, and
-nothing runs before the schedule is lowered). Then the sources go to clang as one translation unit, each kernel renamed
-and in a section of its own (`-ffunction-sections -fdata-sections`), and the object is cut into one object per kernel:
-its code, the constants it references, its relocations. tinygrad loads that object as it loads its own: the function at
-offset 0, the relocations applied by its loader. The code is the same (clang compiles each function on its own; no
-flag but the two section flags differs), so results are bitwise the same. A source of another shape than tinygrad's
-renderer writes (typedefs and one function) or a batch clang rejects is compiled alone, as tinygrad would.
-tinygrad's compile cache is read first and written after, per source, as it would be."""
+Here, while tinygrad lowers the kernels of one schedule in this process (`realize.lower_and_compile` without a compile
+pool: `PARALLEL=0`, as the test suite runs), each CPU kernel's C source is set aside instead of compiled: its program
+comes back with a placeholder binary, and nothing runs before the schedule is lowered. Then the sources go to clang as
+one translation unit, each kernel renamed and in a section of its own (`-ffunction-sections -fdata-sections`), and
+the object is cut into one object per kernel: its code, the constants it references, its relocations. tinygrad loads
+that object as it loads its own: the function at offset 0, the relocations applied by its loader. The code is the same
+(clang compiles each function on its own; no flag but the two section flags differs), so results are bitwise the same.
+
+A source of another shape than tinygrad's renderer writes (typedefs and one function) or a batch clang rejects is
+compiled alone, as tinygrad would. BEAM (which times what it compiles) and the compile pool's workers compile as
+tinygrad does: batches compiled here after the pool's parallel lowering measured no faster on 2 cores, where the pool
+already overlaps one worker's clang with the other's lowering. tinygrad's compile cache is read first and written
+after, per source, as it would be."""
 from __future__ import annotations
 
-import os, re, struct, threading
+import copy, re, struct, threading
+
+from tinygrad import Device
 
 from tg_ds4.backend import compat
 
 PLACEHOLDER = b"TG_DS4 batch compile pending\0"
 SECTION_FLAGS = ["-ffunction-sections", "-fdata-sections"]
-MAX_BATCH = 512  # sources per clang process: bounds one process's memory and the cost of a rejected batch
+MAX_BATCH = 512  # sources per clang process: bounds its memory and what a rejected batch costs
 
-_state = threading.local()  # .pending: {source: compiler} while this thread lowers a schedule in this process (.pid)
+_state = threading.local()  # .deferring: this thread's CPU compiles are set aside (while tinygrad lowers one kernel)
 _lock = threading.RLock()  # one schedule lowered at a time: no other thread may take a placeholder from tinygrad's cache
-_lower_and_compile = None  # tinygrad's own (or what was installed before), while ours is installed
-_compile_cached = None
+_lower_and_compile = _compile_kernel = _compile_cached = None  # tinygrad's own, while ours are installed
 
 def install() -> None:
   """Idempotent. Installed before backend/programs.py's cache, which then saves real binaries, not placeholders."""
-  global _lower_and_compile, _compile_cached
+  global _lower_and_compile, _compile_kernel, _compile_cached
   if _lower_and_compile is not None or not compat.batch_compile_on(): return
-  _lower_and_compile, compat.realize.lower_and_compile = compat.realize.lower_and_compile, _batched_lower_and_compile
   _compile_cached, compat.ClangCompiler.compile_cached = compat.ClangCompiler.compile_cached, _deferred_compile_cached
+  _lower_and_compile, compat.realize.lower_and_compile = compat.realize.lower_and_compile, _batched_lower_and_compile
+  _compile_kernel, compat.realize._compile_kernel = compat.realize._compile_kernel, deferred_compile_kernel
 
-def _deferring() -> dict | None:
-  return getattr(_state, "pending", None) if getattr(_state, "pid", None) == os.getpid() else None  # (not in a forked worker)
+def deferred_compile_kernel(x):
+  """tinygrad's `_compile_kernel` (lower and compile one kernel) with the CPU compile set aside, in this process. In a
+  compile worker (which unpickles this function by name; install() never ran there) and under BEAM (which times
+  what it compiles), tinygrad's."""
+  if _compile_kernel is None: return compat.realize._compile_kernel(x)
+  if compat.BEAM.value >= 1 or getattr(x[1][0].arg, "beam", 0): return _compile_kernel(x)
+  _state.deferring = True
+  try: return _compile_kernel(x)
+  finally: _state.deferring = False
 
 def _deferred_compile_cached(self, src: str) -> bytes:
-  if (pending := _deferring()) is None or not isinstance(getattr(self, "args", None), list): return _compile_cached(self, src)
+  if not getattr(_state, "deferring", False) or not isinstance(getattr(self, "args", None), list): return _compile_cached(self, src)
   if self.cachekey is not None and (lib := compat.tinygrad_helpers.diskcache_get(self.cachekey, src)) is not None: return lib
-  pending.setdefault(src, self)
   return PLACEHOLDER
+
+def _program(call):
+  """The PROGRAM a CALL runs (as tinygrad's realize._get_call_to_compile finds it), if it holds a placeholder."""
+  prg = a.src[0] if (a := call.src[0]).op is compat.Ops.CUSTOM_FUNCTION and a.arg == "hcq" and a.src else a
+  return prg if _placeholder(prg) else None
 
 def _placeholder(u) -> bool: return u.op is compat.Ops.PROGRAM and u.src[-1].op is compat.Ops.BINARY and u.src[-1].arg == PLACEHOLDER
 
 def _batched_lower_and_compile(linear):
-  calls = [c for c in linear.toposort() if c.op is compat.Ops.CALL]
-  if compat.BEAM.value >= 1 or any(getattr(c.src[0].arg, "beam", 0) for c in calls) or _deferring() is not None:
-    return _lower_and_compile(linear)  # BEAM times what it compiles; a nested call is part of the outer batch
   cache = compat.codegen.to_program_cache
   with _lock:
-    _state.pid, _state.pending = os.getpid(), {}
     try:
-      try: out = _lower_and_compile(linear)
-      finally: pending, _state.pending = _state.pending, None
-      if not pending: return out
-      libs = compile_all(pending)
+      out = _lower_and_compile(linear)
+      calls = {c: prg for c in out.toposort(enter_calls=False) if c.op is compat.Ops.CALL and (prg := _program(c)) is not None}
+      if not calls: return out
+      pending = {prg.src[-2].arg: Device[c.device if isinstance(c.device, str) else c.device[0]].renderer.compiler for c, prg in calls.items()}
+      libs = compile_all(pending)  # {source: object}
     except BaseException:
-      for k in [k for k, v in cache.items() if _placeholder(v)]: del cache[k]  # lowered again next time, not run
+      for k in [k for k, v in cache.items() if _placeholder(v)]: del cache[k]  # lowered again next time, never run
       raise
     real = lambda prg: prg.replace(src=prg.src[:-1] + (compat.UOp(compat.Ops.BINARY, arg=libs[prg.src[-2].arg]),))
     for k, v in list(cache.items()):
-      if _placeholder(v): cache[k] = real(v)
-    # as tinygrad's lower_and_compile swaps its programs in: per call (a rewrite of the linear does not enter calls)
-    calls = {}
-    for c in out.toposort():
-      if c.op is compat.Ops.CALL and (prgs := {u: real(u) for u in c.src[0].toposort() if _placeholder(u)}):
-        calls[c] = c.replace(src=(c.src[0].substitute(prgs), *c.src[1:]))
-    return out.substitute(calls, name="batch compiled kernels") if calls else out
+      if _placeholder(v):
+        if v.src[-2].arg in libs: cache[k] = real(v)
+        else: del cache[k]
+    # swapped in per call, as tinygrad's lower_and_compile swaps its programs in (a rewrite of the linear enters no call)
+    return out.substitute({c: c.replace(src=(c.src[0].substitute({prg: real(prg)}), *c.src[1:])) for c, prg in calls.items()},
+                          name="batch compiled kernels")
 
 def compile_all(pending: dict) -> dict[str, bytes]:
   """{source: object} for every source, compiled in batches per compiler, and put in tinygrad's compile cache as its
@@ -78,8 +91,7 @@ def compile_all(pending: dict) -> dict[str, bytes]:
   by_compiler: dict[int, tuple[object, list[str]]] = {}
   for src, cc in pending.items(): by_compiler.setdefault(id(cc), (cc, []))[1].append(src)
   for cc, srcs in by_compiler.values():
-    ok = [s for s in srcs if _function(s) is not None]
-    alone = [s for s in srcs if _function(s) is None]
+    ok, alone = [s for s in srcs if _function(s) is not None], [s for s in srcs if _function(s) is None]
     for i in range(0, len(ok), MAX_BATCH):
       part = ok[i:i + MAX_BATCH]
       if (got := compile_batch(cc, part) if len(part) > 1 else None) is None: alone += part
@@ -106,12 +118,10 @@ def compile_batch(cc, srcs: list[str]) -> dict[str, bytes] | None:
   for i, s in enumerate(srcs):
     typedefs += [ln for ln in s.splitlines() if ln.startswith("typedef ") and ln not in typedefs]
     bodies.append(_FUNC.sub(f"void tg_ds4_k{i}(", "\n".join(ln for ln in s.splitlines() if not ln.startswith("typedef ")), count=1))
-  args = cc.args
-  try:
-    cc.args = [*args, *SECTION_FLAGS]
-    obj = cc.compile("\n".join(typedefs) + "\n" + "\n".join(bodies) + "\n")
+  batch = copy.copy(cc)  # (the compiler itself keeps its flags)
+  batch.args = [*cc.args, *SECTION_FLAGS]
+  try: obj = batch.compile("\n".join(typedefs) + "\n" + "\n".join(bodies) + "\n")
   except Exception: return None  # noqa: BLE001
-  finally: cc.args = args
   try: parts = split(obj, [f"tg_ds4_k{i}" for i in range(len(srcs))])
   except (ValueError, struct.error, IndexError, StopIteration): return None
   return None if parts is None else dict(zip(srcs, parts))
