@@ -47,9 +47,10 @@ def block_kind(model: Model, i: int) -> str:
 def realize(lower: bool, *ts: Tensor) -> None:
   """Tensor.realize, or without `lower` (--kernels-only) the schedule only: the tensors then stand for their unwritten
   buffers, as after a realize, and GlobalCounters.kernel_count grows by the calls that running them would count."""
-  if lower: return Tensor.realize(*ts) and None
-  todo = [t for t in ts if not t.uop.is_virtual and not t.uop.has_buffer_identity()]
-  if todo: GlobalCounters.kernel_count += sum(len(compat.realize.get_call_kernels(c)) for c in Tensor.linear_with_vars(*todo)[0].src)
+  if not ts: return
+  if lower: Tensor.realize(*ts)
+  elif todo := [t for t in ts if not t.uop.is_virtual and not t.uop.has_buffer_identity()]:
+    GlobalCounters.kernel_count += sum(len(compat.realize.get_call_kernels(c)) for c in Tensor.linear_with_vars(*todo)[0].src)
 
 def counts(model: Model, T: int, lower: bool = True) -> dict[str, dict[str, float]]:
   """{block kind: {kernels, bytes, packed}} for T tokens at position 7 (T=1: a decode step; else a prefill chunk), plus
