@@ -54,7 +54,7 @@ def realize(lower: bool, *ts: Tensor) -> None:
 
 def counts(model: Model, T: int, lower: bool = True) -> dict[str, dict[str, float]]:
   """{block kind: {kernels, bytes, packed}} for T tokens at position 7 (T=1: a decode step; else a prefill chunk), plus
-  the head (with greedy sampling for a decode step); without `lower`, the steps are scheduled only (bytes 0)."""
+  the head (with greedy sampling for a decode step); without `lower`, the steps are scheduled only (bytes None)."""
   cfg, out, pos = model.cfg, {}, UOp.variable("start_pos", 0, model.max_ctx - 1).bind(7)
   ds4 = isinstance(model, DS4Transformer)  # hyper-connection streams in, token ids for hash routing
   tokens = UOp.variable("token", 0, cfg.n_vocab - 1).bind(1) if T == 1 else Tensor.zeros(1, T, dtype=dtypes.int32).contiguous().realize()
@@ -71,12 +71,12 @@ def counts(model: Model, T: int, lower: bool = True) -> dict[str, dict[str, floa
       realize(lower, *kvs.get("dsa", {}).values())
     GlobalCounters.reset()
     realize(lower, b(x, tokens, pos, model.tabs) if ds4 else b(x, pos, model.rope_swa if b.swa else model.rope, kvs, pl))
-    out[kind] = {"kernels": GlobalCounters.kernel_count, "bytes": GlobalCounters.global_mem, "packed": _packed_bytes(b)}
+    out[kind] = {"kernels": GlobalCounters.kernel_count, "bytes": GlobalCounters.global_mem if lower else None, "packed": _packed_bytes(b)}
   x = Tensor.empty(1, T, *((cfg.hc,) if ds4 else ()), cfg.dim).realize()
   GlobalCounters.reset()
   logits = model.output(model.output_norm(model.output_hc.head(x) if ds4 else x))
   realize(lower, greedy(logits[:, -1]) if T == 1 else logits)
-  out["head+sampling" if T == 1 else "head"] = {"kernels": GlobalCounters.kernel_count, "bytes": GlobalCounters.global_mem,
+  out["head+sampling" if T == 1 else "head"] = {"kernels": GlobalCounters.kernel_count, "bytes": GlobalCounters.global_mem if lower else None,
                                                 "packed": _packed_bytes(model.output)}
   return out
 
@@ -84,9 +84,6 @@ def file_counts(path: str, steps: list[str], with_bytes: bool = True) -> dict:
   model = Runner.load(path, max_ctx=64).model
   res = {"decode": counts(model, 1, with_bytes)} if "decode" in steps else {}
   if "prefill" in steps: res.update(prefill=counts(model, model.PREFILL_CHUNKS[0], with_bytes), prefill_tokens=model.PREFILL_CHUNKS[0])
-  if not with_bytes:
-    for step in ("decode", "prefill"):
-      for c in res.get(step, {}).values(): c["bytes"] = None
   return res
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ PLACEHOLDER = b"TG_DS4 batch compile pending\0"
 SECTION_FLAGS = ["-ffunction-sections", "-fdata-sections"]
 MAX_BATCH = 512  # sources per clang process: bounds its memory and what a rejected batch costs
 
-_state = threading.local()  # .deferring: this thread's CPU compiles are set aside (while tinygrad lowers one kernel)
+_state = threading.local()  # .deferring: this thread's CPU compiles are set aside (while tinygrad lowers one kernel);
+                            # .set_aside: how many have been (a running count)
 _lock = threading.RLock()  # one schedule lowered at a time: no other thread may take a placeholder from tinygrad's cache
 _lower_and_compile = _compile_kernel = _compile_cached = None  # tinygrad's own, while ours are installed
 
@@ -54,6 +55,7 @@ def deferred_compile_kernel(x):
 def _deferred_compile_cached(self, src: str) -> bytes:
   if not getattr(_state, "deferring", False) or not isinstance(getattr(self, "args", None), list): return _compile_cached(self, src)
   if self.cachekey is not None and (lib := compat.tinygrad_helpers.diskcache_get(self.cachekey, src)) is not None: return lib
+  _state.set_aside = getattr(_state, "set_aside", 0) + 1
   return PLACEHOLDER
 
 def _program(call):
@@ -66,14 +68,17 @@ def _placeholder(u) -> bool: return u.op is compat.Ops.PROGRAM and u.src[-1].op 
 def _batched_lower_and_compile(linear):
   cache = compat.codegen.to_program_cache
   with _lock:
+    start = _state.set_aside = getattr(_state, "set_aside", 0)
     try:
       out = _lower_and_compile(linear)
+      if _state.set_aside == start: return out  # every kernel was in a cache (the common case): nothing to look for
       calls = {c: prg for c in out.toposort(enter_calls=False) if c.op is compat.Ops.CALL and (prg := _program(c)) is not None}
       if not calls: return out
       pending = {prg.src[-2].arg: Device[c.device if isinstance(c.device, str) else c.device[0]].renderer.compiler for c, prg in calls.items()}
       libs = compile_all(pending)  # {source: object}
     except BaseException:
-      for k in [k for k, v in cache.items() if _placeholder(v)]: del cache[k]  # lowered again next time, never run
+      if _state.set_aside != start:
+        for k in [k for k, v in cache.items() if _placeholder(v)]: del cache[k]  # lowered again next time, never run
       raise
     real = lambda prg: prg.replace(src=prg.src[:-1] + (compat.UOp(compat.Ops.BINARY, arg=libs[prg.src[-2].arg]),))
     for k, v in list(cache.items()):
@@ -91,7 +96,8 @@ def compile_all(pending: dict) -> dict[str, bytes]:
   by_compiler: dict[int, tuple[object, list[str]]] = {}
   for src, cc in pending.items(): by_compiler.setdefault(id(cc), (cc, []))[1].append(src)
   for cc, srcs in by_compiler.values():
-    ok, alone = [s for s in srcs if _function(s) is not None], [s for s in srcs if _function(s) is None]
+    shaped = {s: _function(s) is not None for s in srcs}
+    ok, alone = [s for s in srcs if shaped[s]], [s for s in srcs if not shaped[s]]
     for i in range(0, len(ok), MAX_BATCH):
       part = ok[i:i + MAX_BATCH]
       if (got := compile_batch(cc, part) if len(part) > 1 else None) is None: alone += part
