@@ -31,8 +31,9 @@ SLOW_MODULES = ("test_real_models", "test_dsa", "test_ds4", "test_bench", "test_
 
 # *** `make test-fast` (pytest --fast): the inner loop, a few minutes on 2 cores. Whole modules of unit tests, and each
 # family's float32 reference against transformers on one fixture. `make test` (CI) runs everything.
-FAST_MODULES = {"test_batch_compile", "test_chat", "test_compat", "test_ds4_chat", "test_gguf", "test_gguf_fuzz", "test_intdot", "test_kvstore",
-                "test_moe", "test_programs", "test_quant", "test_sampling", "test_serve_limits", "test_tokenizer", "test_toolcalls"}
+FAST_MODULES = {"test_batch_compile", "test_chat", "test_compat", "test_emulator", "test_ds4_chat", "test_gguf", "test_gguf_fuzz",
+                "test_intdot", "test_kvstore", "test_moe", "test_programs", "test_quant", "test_sampling", "test_serve_limits", "test_tokenizer",
+                "test_toolcalls"}
 FAST_TESTS = {"test_reference.py::test_f32_matches_transformers[ds3-F32]", "test_ds4.py::test_prefill_matches_transformers",
               "test_dsa.py::test_dsa_matches_transformers[ds32]", "test_gpt2.py::test_gpt2_matches_transformers[F32]",
               "test_qwen3.py::test_qwen3_matches_transformers[F32]", "test_bitnet.py::test_bitnet_matches_transformers[F32]",

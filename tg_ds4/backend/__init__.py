@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from tinygrad import Device
 
-from tg_ds4.backend import compat, programs, store_hazard
+from tg_ds4.backend import compat, emulator, programs, store_hazard
 from tg_ds4.backend.cpu import batch_compile
 from tg_ds4.backend.compat import CapturedJit
 
@@ -110,6 +110,7 @@ def prepare_device(device: str) -> None:
   programs.install()  # kernels lowered by other processes (TG_DS4_PROGRAM_CACHE=1)
   store_hazard.install()  # the scheduler's per-store hazard checks without a walk of the whole graph each
   compat.per_thread_compile_cache()  # serve compiles in its worker thread
+  if Device.canonicalize(device).startswith("PYTHON"): emulator.install(device)  # the GPU emulator on whole-grid arrays
   ren = Device[device].renderer
   cpu, gpu = getattr(ren, "has_threads", False), ren.has_local and ren.has_shared  # (NULL's generic renderer is neither)
   if (cpu or gpu) and compat.kernel_opts_on():

@@ -5,10 +5,11 @@ is checked here.
 Two groups. The graph and buffer internals (Buffer, Ops, the JIT's capture, dtype conversions) are what any device
 needs; they have been stable across releases and a change there is an error at import. The CPU machinery's
 (backend/cpu: the kernel heuristic patches tinygrad's codegen, the native replay calls compiled CPU programs itself)
-are used only when a model is loaded for the CPU, and only on the release below: on another one, or when they cannot
-be imported, both stay off (one warning) and the stock tinygrad path runs, slower on the CPU, never wrong.
-`TG_DS4_KERNEL_OPTS=0` and `TG_DS4_FAST_REPLAY=0` turn each off by hand. Nothing here patches anything:
-backend.prepare_device does, when a model is loaded for a CPU renderer, never on import."""
+and the PYTHON device's lockstep programs (backend/emulator.py) are used only when a model is loaded for the device
+they serve, and only on the release below: on another one, or when they cannot be imported, they stay off (one
+warning) and the stock tinygrad path runs, slower, never wrong. `TG_DS4_KERNEL_OPTS=0`, `TG_DS4_FAST_REPLAY=0` and
+`TG_DS4_FAST_EMULATOR=0` turn each off by hand. Nothing here patches anything: backend.prepare_device does, when a
+model is loaded, never on import."""
 import contextlib, functools, importlib.metadata, logging, os, sqlite3, threading
 
 # graph and buffer internals, for every device
@@ -35,6 +36,10 @@ try:
   from tinygrad.schedule import indexing as schedule_indexing, rangeify as schedule_rangeify  # noqa: F401  (backend/store_hazard.py)
   from tinygrad.uop.ops import upat_interpret  # noqa: F401  (backend/store_hazard.py)
   from tinygrad.uop.upat import upat_compile  # noqa: F401  (backend/store_hazard.py)
+  from tinygrad.dtype import AddrSpace  # noqa: F401  (backend/emulator.py)
+  from tinygrad.helpers import is_image_shape  # noqa: F401  (backend/emulator.py)
+  from tinygrad.runtime.ops_python import PythonProgram  # noqa: F401  (backend/emulator.py)
+  from tinygrad.uop.ops import GroupOp  # noqa: F401  (backend/emulator.py)
   _CPU_IMPORT_ERROR: str | None = None
 except (ImportError, AttributeError) as e:  # another release moved something
   _CPU_IMPORT_ERROR = str(e)
@@ -88,6 +93,8 @@ def copy_in(buf: Buffer, data: memoryview) -> None:
 def fast_replay_on() -> bool: return os.environ.get("TG_DS4_FAST_REPLAY", "1") != "0" and internals_match()
 
 def fast_schedule_on() -> bool: return os.environ.get("TG_DS4_FAST_SCHEDULE", "1") != "0" and internals_match()
+
+def fast_emulator_on() -> bool: return os.environ.get("TG_DS4_FAST_EMULATOR", "1") != "0" and internals_match()
 
 def batch_compile_on() -> bool: return os.environ.get("TG_DS4_BATCH_COMPILE", "1") != "0" and internals_match()
 
