@@ -176,7 +176,7 @@ class Program(compat.PythonProgram):
       elif op is Ops.STACK: values[u] = src
       elif op is Ops.BITCAST: values[u] = np.asarray(src[0]).astype(_np(u.src[0].dtype)).view(_np(u.dtype))
       elif op is Ops.CAST: values[u] = _to(np.asarray(src[0]).astype(_wide(u.src[0].dtype)), u.dtype)
-      elif op is Ops.LOAD: values[u] = self._load(u, src, n)
+      elif op is Ops.LOAD: values[u] = self._load(u, src)
       elif op in GroupOp.ALU:
         wide = [np.asarray(x).astype(_wide(s.dtype), copy=False) for x, s in zip(src, (v for v in u.src if v.dtype is not dtypes.void))]
         values[u] = _to(ALU[op](*wide), u.dtype)
@@ -184,7 +184,7 @@ class Program(compat.PythonProgram):
       i += 1
 
   @staticmethod
-  def _gather(p: _Ptr, j: int, dt, gate, n) -> np.ndarray:
+  def _gather(p: _Ptr, j: int, dt, gate) -> np.ndarray:
     view, isz = p.view(_storage(dt)), dt.itemsize
     off = p.off + j * isz
     if np.any(np.asarray(off) % isz): raise RuntimeError("emulator: misaligned load")
@@ -196,12 +196,12 @@ class Program(compat.PythonProgram):
     if dt == dtypes.bfloat16: got = (got.astype(np.uint32) << 16).view(np.float32)
     return got
 
-  def _load(self, u: UOp, src: list, n: int):
+  def _load(self, u: UOp, src: list):
     ptr, alt, gate = src[0], (src[1] if len(src) >= 3 else None), (src[2] if len(src) >= 3 else None)
     dt, count = u.dtype, u.max_numel()
     out = []
     for j in range(count):
-      got = self._gather(ptr, j, dt, gate, n)
+      got = self._gather(ptr, j, dt, gate)
       if gate is not None: got = np.where(gate, got, alt[j] if isinstance(alt, list) else alt).astype(got.dtype)
       out.append(got)
     return out if count > 1 else out[0]
