@@ -1,6 +1,7 @@
 """Kernel budgets per block kind and backend (scheduling/budgets.toml), counted by scheduling/count.py in a subprocess
 (nothing runs): decode and prefill chunk on DEV=NULL for the CPU, decode lowered for CUDA (NVRTC), Metal and WebGPU, on the
-deepseek2, deepseek4, DSA, gpt2, bitnet and gemma4 fixtures and the real dense models; and no block may read a dequantized copy of its weights."""
+deepseek2, deepseek4, DSA, gpt2, bitnet and gemma4 fixtures and the real dense models; CUDA's decode kernels with a poor
+launch shape (count.py's launch_flaws) within their own budgets; and no block may read a dequantized copy of its weights."""
 import json, os, pathlib, subprocess, sys, tomllib
 
 import pytest
@@ -39,6 +40,8 @@ TARGETS = {"CPU": ("CPU", "NULL", "decode", FILES + [REAL["smollm2"], REAL["gemm
 # which must render
 WITH_BYTES = {"CPU": BYTES_FILES, "CPU-prefill": set()}
 
+LAUNCH_CHECKED = {"CUDA"}  # backends whose decode kernels' launch shapes have budgets (budgets.toml [launch])
+
 JOBS = background.Jobs()
 
 def _count(run: str, jobs: background.Jobs) -> dict:
@@ -75,6 +78,10 @@ def test_kernel_budgets(run):
         assert kind in BUDGETS[step] and backend in BUDGETS[step][kind], f"no {backend} {step} budget for block kind {kind!r} ({path})"
         budget = BUDGETS[step][kind][backend]
         assert c["kernels"] <= budget, f"{pathlib.Path(path).name} {backend} {step} {kind}: {c['kernels']} kernels > budget {budget}"
+        if backend in LAUNCH_CHECKED:  # (count.py reports these for every GPU renderer; CUDA's are budgeted)
+          flawed = BUDGETS["launch"].get(kind, {}).get(backend, 0)
+          assert c["launch"] <= flawed, f"{pathlib.Path(path).name} {backend} {step} {kind}: {c['launch']} kernels with a poor launch shape " \
+                                        f"(scheduling/count.py launch_flaws) > budget {flawed}"
         seen.add((step, kind))
   for step, kind in sorted(seen):
     print(f"\n{backend} {step} {kind}: max {max(r[step][kind]['kernels'] for r in counts(run).values() if kind in r[step])}"
