@@ -15,9 +15,11 @@ another writes in the same launch (a race on any GPU). A kernel whose loop bound
 or workgroup index or a loaded value, a tensor core (WMMA), a foreign call, an image or an fp8 value runs on the stock
 emulator. `TG_DS4_FAST_EMULATOR=0` (backend/compat.py) runs every kernel there."""
 import math, time
+
 import numpy as np
-from tg_ds4.backend import compat
 from tinygrad import dtypes
+
+from tg_ds4.backend import compat
 from tg_ds4.backend.compat import AddrSpace, GroupOp, Ops, UOp
 
 class Unsupported(Exception): pass
