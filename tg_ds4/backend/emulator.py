@@ -110,6 +110,7 @@ class Program(compat.PythonProgram):
   """tinygrad's PythonProgram, its uops run for the whole grid at once where check() allows, else by the stock loop."""
   def __init__(self, dev, obj):
     super().__init__(dev, obj)
+    self.operands = {u: tuple(v for v in u.src if v.dtype is not dtypes.void) for u in self.uops}  # the sources with a value
     try: check(self.uops); self.lockstep = True
     except Unsupported: self.lockstep = False
 
@@ -150,9 +151,10 @@ class Program(compat.PythonProgram):
       if op in (Ops.BARRIER, Ops.SINK, Ops.NOOP, Ops.GROUP) or (op is Ops.RANGE and u.dtype == dtypes.void):
         i += 1  # every thread is at the same uop: a barrier holds by construction
         continue
-      src = [values[v] for v in u.src if v.dtype is not dtypes.void]
+      operands = self.operands[u]
+      src = [values[v] for v in operands]
       if op is Ops.STORE:
-        self._store(src[0], src[1], [v for v in u.src if v.dtype is not dtypes.void][1].dtype, masks[-1], n)
+        self._store(src[0], src[1], operands[1].dtype, masks[-1], n)
       elif op is Ops.AFTER or (op is Ops.BITCAST and u.addrspace in (AddrSpace.GLOBAL, AddrSpace.LOCAL)): values[u] = src[0]
       elif op is Ops.PARAM and u.addrspace is AddrSpace.ALU: values[u] = np.int64(pvals.pop(0))
       elif op in (Ops.PARAM, Ops.BUFFER):
@@ -180,7 +182,7 @@ class Program(compat.PythonProgram):
       elif op is Ops.CAST: values[u] = _to(np.asarray(src[0]).astype(_wide(u.src[0].dtype)), u.dtype)
       elif op is Ops.LOAD: values[u] = self._load(u, src)
       elif op in GroupOp.ALU:
-        wide = [np.asarray(x).astype(_wide(s.dtype), copy=False) for x, s in zip(src, (v for v in u.src if v.dtype is not dtypes.void))]
+        wide = [np.asarray(x).astype(_wide(s.dtype), copy=False) for x, s in zip(src, operands)]
         values[u] = _to(ALU[op](*wide), u.dtype)
       else: raise RuntimeError(f"emulator: unhandled {op}")
       i += 1
