@@ -14,7 +14,7 @@ from tinygrad import Tensor
 from tg_ds4 import backend
 from tg_ds4.backend.compat import Ops
 from tg_ds4.quant import intdot, settings
-from tg_ds4.quant.formats import QTYPES, QTensor, linear
+from tg_ds4.quant.formats import QTYPES, QTensor, interleave_q4_0, linear
 
 pytestmark = pytest.mark.skipif(not backend.capabilities("CPU").int_dot_formats,
                                 reason="needs an x86 CPU with AVX2/F16C/FMA and tinygrad 0.14's internals")
@@ -145,10 +145,17 @@ def test_q4_0_is_ggml_repacked_bit_for_bit(rows, monkeypatch):
   odd = QTensor(Tensor(raw[:60]).realize(), QT["Q4_0"], (60, 512))
   heads = QTensor(Tensor(raw.reshape(2, 32, 16, 18)).realize(), QT["Q4_0"], (2, 32, 512))  # per-head matrices (MLA's absorbs)
   hx = rng.standard_normal((2, 1, 512)).astype(np.float32)
+  iw, igw = interleave_q4_0(w), interleave_q4_0(gw)  # the layout the CPU's load gives such weights (models/widen.py)
   with settings.override(numerics="llama.cpp"):
     assert np.array_equal(linear(Tensor(x), w).numpy(), _repacked_q4_0(x, raw))
     assert np.array_equal(linear(Tensor(gx), gw[Tensor(ids)]).numpy(), _repacked_q4_0(gx, graw[ids]))
+    assert np.array_equal(linear(Tensor(x), iw).numpy(), _repacked_q4_0(x, raw))
+    assert np.array_equal(linear(Tensor(gx), igw[Tensor(ids)]).numpy(), _repacked_q4_0(gx, graw[ids]))
     y, hy = linear(Tensor(x[:8]), odd).numpy(), linear(Tensor(hx), heads).numpy()
+  # everything else reads the file's blocks, restored from the interleaved bytes: the same bytes, the same float math
+  assert np.array_equal(iw.blocks.numpy(), raw) and np.array_equal(igw[Tensor(ids)].blocks.numpy(), graw[ids])
+  assert np.array_equal(iw.x8.numpy()[3, 5, 16 + 32 * 2 + 4 * 6:][:4], raw[3 * 8 + 6, 5, 2 + 4 * 2:][:4])  # group 3, block 5: row 6's bytes 8..11
+  assert np.array_equal(linear(Tensor(gx), igw[Tensor(ids)]).numpy(), linear(Tensor(gx), gw[Tensor(ids)]).numpy())  # exact numerics
   assert np.array_equal(y, _lanes(x[:8], raw[:60], "Q4_0"))
   assert not np.array_equal(y, _repacked_q4_0(x[:8], raw[:60]))
   hraw = raw.reshape(2, 32, 16, 18)
@@ -275,3 +282,25 @@ def test_dead_matrices_compute_nothing():
     some = intdot.linear(Tensor(x), w[Tensor(ids)], Tensor(np.array([1, 0, 1], np.int32))).numpy()
   assert np.array_equal(some[[0, 2]], every[[0, 2]]) and not some[1].any() and every[1].any()
   _check(every, _reference(x, raw[ids], "Q4_0"))
+
+def test_load_interleaves_q4_0_where_its_integer_dots_run(monkeypatch):
+  """A model's load re-lays its Q4_0 matrices and routed experts (models/widen.py's interleave) under the default
+  numerics on this CPU, and nothing under exact numerics; the logits are bitwise those of the file's layout, for a
+  chunk of 16 tokens (the integer kernels' tiles) and one of 11 (the float path, over the view in the file's layout)."""
+  from tg_ds4.models import widen
+  from tg_ds4.nn.layers import packed_weights
+  from tg_ds4.runtime.runner import Runner
+  path, ids = "tests/fixtures/deepseek2/ds3/ds3-Q4_0.gguf", [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79]
+  def load(numerics: str):
+    r = Runner.load(path, max_ctx=64, numerics=numerics)
+    return r, [(o, w) for o, _, w in packed_weights(r.model) if w.qtype.name == "Q4_0"]
+  r, ws = load("auto")
+  assert all(w.x8 is None for _, w in load("exact")[1])
+  interleaved = [w for _, w in ws if w.x8 is not None]
+  assert len(interleaved) >= 20 and any(w.ndim == 3 for w in interleaved)       # experts too
+  assert all(w.shape[-2] % 8 == 0 for w in interleaved)
+  got = [r.prefill(ids[:n], chunk=n).numpy() for n in (16, 11)]
+  monkeypatch.setattr(widen, "interleave", lambda *a, **k: None)
+  plain, pws = load("auto")
+  assert all(w.x8 is None for _, w in pws)
+  assert all(np.array_equal(g, plain.prefill(ids[:n], chunk=n).numpy()) for g, n in zip(got, (16, 11)))

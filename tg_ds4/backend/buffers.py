@@ -15,10 +15,16 @@ def host_copy(t: Tensor) -> np.ndarray | None:
   kernel (a warm start lowers nothing); None for anything else (a view, a lazy value, another device). tinygrad's own
   read (`numpy()`, `item()`) goes through a copy program, Python work per call that a small model's decode step
   would pay again each time the sampled token is read back."""
+  return None if (a := host_view(t)) is None else a.copy()
+
+def host_view(t: Tensor) -> np.ndarray | None:
+  """As `host_copy`, but the buffer's memory itself, read-only, no copy (a mapped file's pages are read as it is read)."""
   u = t.uop
   while u.op is Ops.RESHAPE: u = u.src[0]
   if u.op is not Ops.BUFFER or not u.is_realized or not str(t.device).startswith("CPU") or u.buffer.nbytes != t.nbytes(): return None
-  return np.frombuffer(u.buffer.as_memoryview(allow_zero_copy=True), _to_np_dtype(t.dtype)).reshape(t.shape).copy()
+  a = np.frombuffer(u.buffer.as_memoryview(allow_zero_copy=True), _to_np_dtype(t.dtype)).reshape(t.shape)
+  a.flags.writeable = False
+  return a
 
 def host_array(t: Tensor) -> np.ndarray:
   """`t.numpy()`, read in place where `host_copy` can."""

@@ -7,7 +7,7 @@ zero-copy view of the mmapped file on the CPU device (a copy from the DISK devic
 """
 from __future__ import annotations
 
-import mmap
+import contextlib, mmap
 import os
 import pathlib
 import re
@@ -20,7 +20,7 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType
 from tinygrad import Device, Tensor, UOp, dtypes
 
-from tg_ds4.backend.buffers import device_buffer
+from tg_ds4.backend.buffers import device_buffer, host_view
 
 from tg_ds4.quant.formats import QTYPES, QTensor, QuantType
 
@@ -146,6 +146,18 @@ class GGUFFile:
 
   def tensors(self, device: str | None = None) -> dict[str, QTensor]:
     return {name: self.tensor(name, device) for name in self.infos}
+
+  def release(self, t: Tensor) -> None:
+    """Drop the pages of this file's mapping that `t` views (a tensor of `tensor` on the CPU, or a reshape of one) from
+    the process's memory, once a copy of its bytes replaced it (models/widen.py): the mapping is read-only, so a page
+    touched again later is read back from the page cache. Anything else is left alone."""
+    a = host_view(t)
+    if a is None or not a.nbytes: return
+    for mm in self._maps.values():
+      if 0 <= (off := a.ctypes.data - mm.ctypes.data) and off + a.nbytes <= mm.nbytes:
+        start = off - off % mmap.PAGESIZE
+        with contextlib.suppress(OSError, ValueError, AttributeError): mm._mmap.madvise(mmap.MADV_DONTNEED, start, off + a.nbytes - start)
+        return
 
   def _mmap(self, path: pathlib.Path) -> np.memmap:
     if path not in self._maps: self._maps[path] = np.memmap(path, mode="r")

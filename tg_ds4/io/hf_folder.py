@@ -365,6 +365,10 @@ class Checkpoint:
     heads = self.config["num_attention_heads"] if how == "permute_q" else self.config.get("num_key_value_heads") or self.config["num_attention_heads"]
     return _permute_heads(a, int(heads))
 
+  def release(self, t: Tensor) -> None:
+    """GGUFFile.release's counterpart: nothing, as a tensor made from a checkpoint is in memory and freed with its last
+    reference."""
+
   def tensor(self, name: str, device: str | None = None) -> QTensor:
     if (info := self.infos.get(name)) is None: raise GGUFError(f"{self.path}: no tensor named {name!r}")
     device = Device.canonicalize(device or Device.DEFAULT)

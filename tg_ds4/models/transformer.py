@@ -110,6 +110,7 @@ class Transformer:
     for b in model.blk:
       b.fuse()
       compat.release_freed_buffers(device)  # the rows it replaced, if they were in memory (a quantized checkpoint)
+    widen.interleave(model, model.settings, gf.release)
     model.max_ctx = max_ctx
     rows = max_ctx + cls.PREFILL_CHUNK  # slack for the padded tail of the last prefill chunk
     model.rope = rope_table(cfg.rope, rows, device, _rope_freqs(gf, cfg.rope.dim)) if cfg.rope.dim else None

@@ -2,8 +2,9 @@
 from math import prod
 
 from tg_ds4.nn.layers import Linear, packed_weights
+from tg_ds4.nn.moe import MoE
 from tg_ds4.quant import activations
-from tg_ds4.quant.formats import K_WIDENED, q5_0_as_q8_0, widen_k_quant
+from tg_ds4.quant.formats import K_WIDENED, X8, interleave_q4_0, q5_0_as_q8_0, widen_k_quant
 
 WIDEN_K_MAX_EXTRA = 1 << 30  # K-quant widening is skipped when it would add more bytes than this (a big model)
 
@@ -28,3 +29,22 @@ def prepare(model, settings) -> None:
   if settings.caps.widen_weights and settings.numerics != "llama.cpp":
     with settings.active(): q5_0 = not activations.rounds("Q5_0", settings.caps.device)
     widen_for_cpu(model, q5_0=q5_0)
+
+def interleave(model, settings, release=lambda t: None) -> None:
+  """After the weights are loaded and fused: every Q4_0 weight whose GEMVs take ggml's repacked arithmetic
+  (quant/intdot.py's `repacked`: a matrix, or a layer's routed experts, with a row count that is a multiple of 8)
+  re-laid by quant/formats.py's `interleave_q4_0`, where the device takes Q4_0's integer dots under the model's
+  numerics. The same bytes in another order: memory does not grow, and the file's pages it read are dropped from
+  the process's memory once copied (`release(blocks)`: io/gguf.py's GGUFFile.release). Weights that share their bytes with another (the
+  rows of a fused q|k or gate|up and the fused weight) keep the file's layout."""
+  with settings.active():
+    if "Q4_0" not in settings.caps.int_dot_formats or not activations.rounds("Q4_0", settings.caps.device): return
+  owners = [(o, a, w) for o, a, w in packed_weights(model) if isinstance(o, Linear) and a == "weight" and w.ndim == 2]
+  for m in [b.ffn for b in getattr(model, "blk", []) if isinstance(getattr(b, "ffn", None), MoE)]:
+    owners += [(p, "weight", p.weight) for p in (m.ffn_gate_up_exps, m.ffn_gate_exps, m.ffn_up_exps, m.ffn_down_exps) if p is not None]
+  bases: dict[int, int] = {}
+  for _, _, w in owners: bases[id(w._src[0].uop.base)] = bases.get(id(w._src[0].uop.base), 0) + 1
+  for o, a, w in owners:
+    if w.qtype.name == "Q4_0" and w._src[1] == () and w.x8 is None and w.shape[-2] % X8 == 0 and bases[id(w._src[0].uop.base)] == 1:
+      setattr(o, a, interleave_q4_0(w))
+      release(w.blocks)

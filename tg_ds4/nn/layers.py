@@ -140,7 +140,7 @@ def named_tensors(obj, prefix: str = "", seen: set[int] | None = None, flat: boo
     vars(obj).items() if hasattr(obj, "__dict__") else ()
   for k, v in items:
     name = f"{prefix}{k}"
-    if isinstance(v, QTensor): v = v.blocks
+    if isinstance(v, QTensor): v = v.blocks if v.x8 is None else v.x8  # an interleaved weight's bytes (blocks: a view of them)
     if isinstance(v, Tensor): yield name, v
     elif isinstance(v, (list, tuple, dict)) or \
         (type(v).__module__.startswith("tg_ds4.") and hasattr(v, "__dict__") and getattr(v, "holds_model_state", True)):

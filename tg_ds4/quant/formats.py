@@ -26,7 +26,7 @@ from typing import Any, Callable
 import numpy as np
 from tinygrad import Tensor, UOp, dtypes
 
-from tg_ds4.backend.buffers import host_tensor
+from tg_ds4.backend.buffers import host_tensor, host_view
 from tg_ds4.backend.compat import DType, Ops, prod
 from tg_ds4.quant import cgemm, intdot, settings
 from tg_ds4.quant.activations import round_activations
@@ -357,10 +357,12 @@ class QTensor:
   `shape` is the logical (tinygrad-order) shape. Indexing the leading axes (expert ids, token ids) is recorded and
   applied per byte field when the values are built (see `Packed`), so a lookup reads only the rows it selects and
   fuses into its consumer; `blocks` of an indexed QTensor is the equivalent (lazy) gather of the packed bytes."""
-  def __init__(self, blocks: Tensor, qtype: QuantType, shape: tuple[int, ...], _src: tuple[Tensor, tuple[Any, ...]] | None = None):
+  def __init__(self, blocks: Tensor, qtype: QuantType, shape: tuple[int, ...], _src: tuple[Tensor, tuple[Any, ...]] | None = None,
+               x8: Tensor | None = None):
     assert blocks.shape == (*shape[:-1], shape[-1] // qtype.block, qtype.nbytes), (blocks.shape, shape, qtype)
     self.blocks, self.qtype, self.shape = blocks, qtype, tuple(shape)
     self._src = _src or (blocks, ())  # ungathered blocks and the indices applied to them, in order
+    self.x8 = x8  # Q4_0 only: the ungathered bytes as `interleave_q4_0` lays them out (`_src[0]` is then a view of them)
 
   def __repr__(self): return f"QTensor({self.qtype.name}, shape={self.shape}, device={self.device})"
   @property
@@ -396,7 +398,7 @@ class QTensor:
     if isinstance(idx, Tensor) and dtypes.is_int(idx.dtype) and settings.current(self.blocks.device).caps.in_range_gathers:
       idx = (idx.cast(dtypes.uint32) % self.shape[0]).cast(dtypes.int32)
     blocks = self.blocks[idx]
-    return QTensor(blocks, self.qtype, (*blocks.shape[:-2], self.shape[-1]), (self._src[0], self._src[1] + (idx,)))
+    return QTensor(blocks, self.qtype, (*blocks.shape[:-2], self.shape[-1]), (self._src[0], self._src[1] + (idx,)), self.x8)
 
   def to(self, device: str) -> QTensor:
     base, idx = self._src
@@ -421,6 +423,33 @@ def q5_0_as_q8_0(w: QTensor) -> QTensor:
   q |= ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4                 # bit j of qh as the 5th
   out = np.concatenate([b[..., 0:2], (q - 16).astype(np.int8).view(np.uint8)], axis=-1)
   return QTensor(_realized(out, w.device), QTYPE_BY_NAME["Q8_0"], w.shape)
+
+X8 = 8  # output rows per group of interleave_q4_0's layout
+
+def interleave_q4_0(w: QTensor) -> QTensor:
+  """A Q4_0 matrix (or stack of expert matrices) with a row count that is a multiple of X8, its bytes laid out for
+  quant/intdot.py's repacked GEMV (ggml's q4_0_8x8 arithmetic): per group of 8 rows and block, the 8 fp16 scales
+  (16 bytes), then for k = 0..3 the 8 rows' quant bytes 4k..4k+3 side by side (32 bytes each). One 32-byte load then
+  holds, for each of the 8 rows, the 4 weight bytes that one broadcast dword of x multiplies, where the file's layout
+  needs the 8 rows' blocks transposed in registers for every block of every GEMV. The values are the same bytes:
+  everything else that reads the weight (a float dequant, a gather) reads `blocks`, a lazy view that restores the
+  file's layout from them. Made at load (models/widen.py), where the CPU takes Q4_0's integer dots."""
+  assert w.qtype.name == "Q4_0" and w._src[1] == () and w.x8 is None and w.shape[-2] % X8 == 0, w
+  b = host_view(w.blocks)
+  b = (b if b is not None else w.blocks.numpy()).reshape(-1, X8, w.shape[-1] // 32, 18)        # [G, 8 rows, nb, 18]
+  scales = b[..., :2].transpose(0, 2, 1, 3)                                                    # [G, nb, 8, 2]
+  quants = b[..., 2:].reshape(*b.shape[:3], 4, 4).transpose(0, 2, 3, 1, 4)                     # [G, nb, k, 8, 4]
+  phys = np.concatenate([scales.reshape(*scales.shape[:2], 16), quants.reshape(*quants.shape[:2], 128)], axis=-1)
+  x8 = _realized(phys.reshape(*w.shape[:-2], w.shape[-2] // X8, w.shape[-1] // 32, 8 * 18), w.device)
+  return QTensor(_deinterleave(x8, w.shape), w.qtype, w.shape, x8=x8)
+
+def _deinterleave(x8: Tensor, shape: tuple[int, ...]) -> Tensor:
+  """interleave_q4_0's bytes `[*lead, G, nb, 144]` -> the file's blocks `[*lead, G * 8, nb, 18]`, lazily."""
+  *lead, G, nb, _ = x8.shape
+  n = len(lead)
+  s = x8[..., :16].reshape(*lead, G, nb, X8, 2).permute(*range(n), n, n + 2, n + 1, n + 3)                 # [..., G, 8, nb, 2]
+  q = x8[..., 16:].reshape(*lead, G, nb, 4, X8, 4).permute(*range(n), n, n + 3, n + 1, n + 2, n + 4)      # [..., G, 8, nb, 4, 4]
+  return s.cat(q.reshape(*lead, G, X8, nb, 16), dim=-1).reshape(*shape[:-1], nb, 18)
 
 def _f32_bytes(a: np.ndarray) -> np.ndarray: return np.ascontiguousarray(a.astype(np.float32)[..., None]).view(np.uint8)
 

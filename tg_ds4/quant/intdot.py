@@ -169,16 +169,27 @@ def _transpose8(names: list[str], out: list[str]) -> str:
   return "\n      ".join(lines)
 
 def _source_q4_0x8(nb: int, out: int, rows: int, matrix_bytes: int, gathered: bool, x_per_matrix: bool, tiles: int = 1,
-                   vnni: bool = False, live: bool = False) -> str:
-  """The statement for one group of 8 output rows (see above); the other arguments as `_source`'s."""
+                   vnni: bool = False, live: bool = False, interleaved: bool = False) -> str:
+  """The statement for one group of 8 output rows (see above); the other arguments as `_source`'s. `interleaved`: the
+  weight's bytes as quant/formats.py's interleave_q4_0 lays them out, whose 32-byte loads are the transposed vectors
+  (their nibbles masked and shifted) instead of the file's blocks transposed here."""
   row_bytes, total = nb * 18, rows * tiles
   mat = ("((const int *)@IDX@)[@R@ * 8 / %d]" if gathered else "@R@ * 8 / %d") % out
   xrow = "(@R@ * 8 / %d) * %d" % (out, total) if x_per_matrix else "0"
-  unpack = "\n      ".join(
-    f"v16u r{i}_; __builtin_memcpy(&r{i}_, w_ + {i * row_bytes}L + b_ * 18 + 2, 16); "
-    f"const v8i c{i}_ = (v8i)__builtin_shufflevector(r{i}_ & (unsigned char)15, r{i}_ >> 4, {','.join(map(str, range(32)))}); "
-    f"__builtin_memcpy(&hs_[{i}], w_ + {i * row_bytes}L + b_ * 18, 2);" for i in range(8))
   T = [f"T{j}_" for j in range(8)]
+  if interleaved:  # the group's blocks are 144 bytes apart from o_'s first row on (8 rows x 18 bytes each)
+    nib = "(v8i){" + ",".join(["0x0f0f0f0f"] * 8) + "}"
+    unpack = "\n      ".join(
+      ["const unsigned char *g_ = w_ + b_ * 144L; __builtin_memcpy(&h_, g_, 16);"] +
+      [f"v8i V{k}_; __builtin_memcpy(&V{k}_, g_ + {16 + 32 * k}, 32); const v8i {T[k]} = V{k}_ & {nib}, {T[k + 4]} = (V{k}_ >> 4) & {nib};"
+       for k in range(4)])
+    transpose = ""
+  else:
+    unpack = "\n      ".join(
+      f"v16u r{i}_; __builtin_memcpy(&r{i}_, w_ + {i * row_bytes}L + b_ * 18 + 2, 16); "
+      f"const v8i c{i}_ = (v8i)__builtin_shufflevector(r{i}_ & (unsigned char)15, r{i}_ >> 4, {','.join(map(str, range(32)))}); "
+      f"__builtin_memcpy(&hs_[{i}], w_ + {i * row_bytes}L + b_ * 18, 2);" for i in range(8)) + "\n      __builtin_memcpy(&h_, hs_, 16);"
+    transpose = _transpose8([f"c{i}_" for i in range(8)], T)
   step = ("s_ = __builtin_ia32_vpdpbusd256(s_, {T}, xb_);" if vnni else
           "s_ = s_ + __builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256((v32c){T}, (v32c)xb_), one_);")
   splat = lambda v, t="v8i": "(%s){" % t + ",".join([v] * 8) + "}"
@@ -195,10 +206,9 @@ def _source_q4_0x8(nb: int, out: int, rows: int, matrix_bytes: int, gathered: bo
     v8f acc_[{rows}];
     for (int r_ = 0; r_ < {rows}; r_++) acc_[r_] = (v8f){{0,0,0,0,0,0,0,0}};
     for (int b_ = 0; b_ < (live_ ? {nb} : 0); b_++) {{
-      unsigned short hs_[8]; v8h h_;
+      unsigned short hs_[8]; v8h h_; (void)hs_;
       {unpack}
-      __builtin_memcpy(&h_, hs_, 16);
-      {_transpose8([f"c{i}_" for i in range(8)], T)}
+      {transpose}
       const v8f dw_ = __builtin_convertvector(h_, v8f);
       for (int r_ = 0; r_ < {rows}; r_++) {{
         const long xb_i_ = (long)(xr_ + r_) * {nb} + b_;
@@ -274,6 +284,8 @@ def linear(x: Tensor, w, live: Tensor | None = None) -> Tensor:
     xq, *xs = [t.reshape(*pad, *t.shape).expand(*lead, *t.shape[x.ndim - 2:]).contiguous() for t in (xq, *xs)]
   xq_rows = (L if x_per_matrix else 1) * R
   base, idx = w._src
+  interleaved = x8 and w.x8 is not None                                      # quant/formats.py's interleave_q4_0
+  if interleaved: base = w.x8
   gathered = bool(idx)
   srcs = {"OUT": Tensor.empty(L * R * out, dtype=dtypes.float32, device=w.device), "W": base.flatten(), "XQ": xq.flatten(), "XD": xs[0].flatten()}
   if len(xs) > 1: srcs["XB" if q8k else "XI" if x8 else "XS"] = xs[1].flatten()
@@ -283,7 +295,8 @@ def linear(x: Tensor, w, live: Tensor | None = None) -> Tensor:
   matrix_bytes = out * nb * block_bytes
   rows, tiles = (R, 1) if R <= MAX_ROWS else (MAX_ROWS, R // MAX_ROWS)    # a chunk: tiles of MAX_ROWS rows
   vnni = settings.current(str(w.device)).caps.int_dot_vnni
-  source = functools.partial(intdot_k.source, fmt) if q8k else _source_q4_0x8 if x8 else functools.partial(_source, fmt)
+  source = (functools.partial(intdot_k.source, fmt) if q8k else functools.partial(_source_q4_0x8, interleaved=interleaved) if x8 else
+            functools.partial(_source, fmt))
   body = ckernel.format_string(source(nb, out, rows, matrix_bytes, gathered, x_per_matrix, tiles, vnni, live is not None), names)
   per = 8 if x8 else 1                                                       # output rows per statement
   n = L * out // per
