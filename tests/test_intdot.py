@@ -13,7 +13,7 @@ from tinygrad import Tensor
 
 from tg_ds4 import backend
 from tg_ds4.backend.compat import Ops
-from tg_ds4.quant import intdot, settings
+from tg_ds4.quant import formats, intdot, settings
 from tg_ds4.quant.formats import QTYPES, QTensor, interleave_q4_0, linear
 
 pytestmark = pytest.mark.skipif(not backend.capabilities("CPU").int_dot_formats,
@@ -145,6 +145,7 @@ def test_q4_0_is_ggml_repacked_bit_for_bit(rows, monkeypatch):
   odd = QTensor(Tensor(raw[:60]).realize(), QT["Q4_0"], (60, 512))
   heads = QTensor(Tensor(raw.reshape(2, 32, 16, 18)).realize(), QT["Q4_0"], (2, 32, 512))  # per-head matrices (MLA's absorbs)
   hx = rng.standard_normal((2, 1, 512)).astype(np.float32)
+  monkeypatch.setattr(formats, "REPACK_GROUPS", 2)  # the groups split over threads as a big weight's are
   iw, igw = interleave_q4_0(w), interleave_q4_0(gw)  # the layout the CPU's load gives such weights (models/widen.py)
   with settings.override(numerics="llama.cpp"):
     assert np.array_equal(linear(Tensor(x), w).numpy(), _repacked_q4_0(x, raw))

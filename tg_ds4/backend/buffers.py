@@ -3,6 +3,7 @@ buffer, writing a large buffer in bounded pieces, and zero buffers that cost no 
 these; going through tinygrad's graph for each would schedule and lower a kernel every time."""
 from __future__ import annotations
 
+import ctypes, functools, mmap, sys, weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -37,6 +38,30 @@ def host_tensor(a: np.ndarray, device: str) -> Tensor:
   buf = Buffer(device, a.size, _from_np_dtype(a.dtype)).ensure_allocated()
   copy_in(buf, memoryview(a.reshape(-1)).cast("B"))
   return Tensor(UOp.from_buffer(buf)).reshape(a.shape)
+
+def host_owned(a: np.ndarray, device: str) -> Tensor:
+  """`a` (C-contiguous) as a realized tensor over its own memory on the CPU device, kept alive as long as the buffer
+  (elsewhere `host_tensor`'s copy). tinygrad's CPU buffers are shared anonymous mappings, whose pages a copy of a large
+  weight faults in 4 KB at a time; numpy's private memory takes transparent huge pages where the system gives them."""
+  if not str(device).startswith("CPU") or not a.flags.c_contiguous: return host_tensor(a, device)
+  t = Tensor.from_blob(a.ctypes.data, a.shape, dtype=_from_np_dtype(a.dtype), device=device)
+  weakref.finalize(t.uop.buffer, lambda _: None, a)  # the array lives as long as any view of the buffer
+  return t
+
+_MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 14, 23  # Linux; an older kernel refuses POPULATE_WRITE (EINVAL) and faults as it writes
+
+def host_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+  """An uninitialized array for `host_owned`, its pages in memory before it is written (transparent huge pages where the
+  system gives them on request): a large array written page by page otherwise takes a fault every 4 KB."""
+  a = np.empty(shape, dtype)
+  if a.nbytes >= 1 << 21 and sys.platform == "linux":
+    start = a.ctypes.data - a.ctypes.data % mmap.PAGESIZE
+    for advice in (_MADV_HUGEPAGE, _MADV_POPULATE_WRITE):
+      _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(a.ctypes.data + a.nbytes - start), advice)
+  return a
+
+@functools.cache
+def _libc(): return ctypes.CDLL(None, use_errno=True)
 
 UPLOAD_PIECE = 64 << 20  # host bytes per copy onto a device: a load never holds a host copy of a whole weight or cache
 

@@ -19,14 +19,14 @@ Rules that keep the fused kernels honest (one kernel, each packed byte read once
 """
 from __future__ import annotations
 
-import functools, weakref
+import concurrent.futures, functools, os, weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 from tinygrad import Tensor, UOp, dtypes
 
-from tg_ds4.backend.buffers import host_tensor, host_view
+from tg_ds4.backend.buffers import host_empty, host_owned, host_tensor, host_view
 from tg_ds4.backend.compat import DType, Ops, prod
 from tg_ds4.quant import cgemm, intdot, settings
 from tg_ds4.quant.activations import round_activations
@@ -425,6 +425,10 @@ def q5_0_as_q8_0(w: QTensor) -> QTensor:
   return QTensor(_realized(out, w.device), QTYPE_BY_NAME["Q8_0"], w.shape)
 
 X8 = 8  # output rows per group of interleave_q4_0's layout
+_REPACK_THREADS = min(4, os.cpu_count() or 1)
+REPACK_GROUPS = 4096  # groups of 8 rows per repacking thread at least (~4 MB of V2-Lite's rows)
+_Q4_0_FIELDS = np.dtype([("d", "<u2"), ("q", "<u4", (4,))])    # a Q4_0 block: its scale, its 16 quant bytes as 4 words
+_Q4_0_X8 = np.dtype([("d", "<u2", (X8,)), ("q", "<u4", (4, X8))])  # a group's block: 8 scales, then word k of each row
 
 def interleave_q4_0(w: QTensor) -> QTensor:
   """A Q4_0 matrix (or stack of expert matrices) with a row count that is a multiple of X8, its bytes laid out for
@@ -435,12 +439,13 @@ def interleave_q4_0(w: QTensor) -> QTensor:
   everything else that reads the weight (a float dequant, a gather) reads `blocks`, a lazy view that restores the
   file's layout from them. Made at load (models/widen.py), where the CPU takes Q4_0's integer dots."""
   assert w.qtype.name == "Q4_0" and w._src[1] == () and w.x8 is None and w.shape[-2] % X8 == 0, w
-  b = host_view(w.blocks)
-  b = (b if b is not None else w.blocks.numpy()).reshape(-1, X8, w.shape[-1] // 32, 18)        # [G, 8 rows, nb, 18]
-  scales = b[..., :2].transpose(0, 2, 1, 3)                                                    # [G, nb, 8, 2]
-  quants = b[..., 2:].reshape(*b.shape[:3], 4, 4).transpose(0, 2, 3, 1, 4)                     # [G, nb, k, 8, 4]
-  phys = np.concatenate([scales.reshape(*scales.shape[:2], 16), quants.reshape(*quants.shape[:2], 128)], axis=-1)
-  x8 = _realized(phys.reshape(*w.shape[:-2], w.shape[-2] // X8, w.shape[-1] // 32, 8 * 18), w.device)
+  b, nb = host_view(w.blocks), w.shape[-1] // 32
+  v = (b if b is not None else w.blocks.numpy()).reshape(-1, X8, nb, 18).view(_Q4_0_FIELDS)[..., 0]   # [G, 8 rows, nb]
+  phys = host_empty((v.shape[0], nb), _Q4_0_X8)   # moved as 2- and 4-byte fields: a byte-wise transpose is ~5x slower
+  def part(a: int, b: int) -> None: phys["d"][a:b], phys["q"][a:b] = v["d"][a:b].transpose(0, 2, 1), v["q"][a:b].transpose(0, 2, 3, 1)
+  n = min(_REPACK_THREADS, max(1, len(v) // REPACK_GROUPS))  # numpy's copies release the GIL: the groups split over threads
+  with concurrent.futures.ThreadPoolExecutor(n) as pool: list(pool.map(part, *zip(*[(i * len(v) // n, (i + 1) * len(v) // n) for i in range(n)])))
+  x8 = host_owned(phys.view(np.uint8).reshape(*w.shape[:-2], w.shape[-2] // X8, nb, 8 * 18), w.device)
   return QTensor(_deinterleave(x8, w.shape), w.qtype, w.shape, x8=x8)
 
 def _deinterleave(x8: Tensor, shape: tuple[int, ...]) -> Tensor:
