@@ -156,7 +156,10 @@ def test_q4_0_is_ggml_repacked_bit_for_bit(rows, monkeypatch):
   # everything else reads the file's blocks, restored from the interleaved bytes: the same bytes, the same float math
   assert np.array_equal(iw.blocks.numpy(), raw) and np.array_equal(igw[Tensor(ids)].blocks.numpy(), graw[ids])
   assert np.array_equal(iw.x8.numpy()[3, 5, 16 + 32 * 2 + 4 * 6:][:4], raw[3 * 8 + 6, 5, 2 + 4 * 2:][:4])  # group 3, block 5: row 6's bytes 8..11
-  assert np.array_equal(linear(Tensor(gx), igw[Tensor(ids)]).numpy(), linear(Tensor(gx), gw[Tensor(ids)]).numpy())  # exact numerics
+  # exact numerics: the float GEMV fused over the view is another kernel than over the file's blocks (its opts may sum
+  # in another order), the same values
+  fy, fw = linear(Tensor(gx), igw[Tensor(ids)]).numpy(), linear(Tensor(gx), gw[Tensor(ids)]).numpy()
+  assert np.abs(fy - fw).max() <= 1e-6 * np.abs(fw).max()
   assert np.array_equal(y, _lanes(x[:8], raw[:60], "Q4_0"))
   assert not np.array_equal(y, _repacked_q4_0(x[:8], raw[:60]))
   hraw = raw.reshape(2, 32, 16, 18)
