@@ -188,7 +188,8 @@ def _source_q4_0x8(nb: int, out: int, rows: int, matrix_bytes: int, gathered: bo
     unpack = "\n      ".join(
       f"v16u r{i}_; __builtin_memcpy(&r{i}_, w_ + {i * row_bytes}L + b_ * 18 + 2, 16); "
       f"const v8i c{i}_ = (v8i)__builtin_shufflevector(r{i}_ & (unsigned char)15, r{i}_ >> 4, {','.join(map(str, range(32)))}); "
-      f"__builtin_memcpy(&hs_[{i}], w_ + {i * row_bytes}L + b_ * 18, 2);" for i in range(8)) + "\n      __builtin_memcpy(&h_, hs_, 16);"
+      f"__builtin_memcpy(&hs_[{i}], w_ + {i * row_bytes}L + b_ * 18, 2);" for i in range(8))
+    unpack = "unsigned short hs_[8];\n      " + unpack + "\n      __builtin_memcpy(&h_, hs_, 16);"
     transpose = _transpose8([f"c{i}_" for i in range(8)], T)
   step = ("s_ = __builtin_ia32_vpdpbusd256(s_, {T}, xb_);" if vnni else
           "s_ = s_ + __builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256((v32c){T}, (v32c)xb_), one_);")
@@ -206,7 +207,7 @@ def _source_q4_0x8(nb: int, out: int, rows: int, matrix_bytes: int, gathered: bo
     v8f acc_[{rows}];
     for (int r_ = 0; r_ < {rows}; r_++) acc_[r_] = (v8f){{0,0,0,0,0,0,0,0}};
     for (int b_ = 0; b_ < (live_ ? {nb} : 0); b_++) {{
-      unsigned short hs_[8]; v8h h_; (void)hs_;
+      v8h h_;
       {unpack}
       {transpose}
       const v8f dw_ = __builtin_convertvector(h_, v8f);
