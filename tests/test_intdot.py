@@ -181,6 +181,24 @@ def test_rows_equal_alone(rows, monkeypatch):
     alone = [linear(Tensor(x[i]), w).numpy() for i in range(rows)]
   assert all(np.array_equal(together[i], alone[i]) for i in range(rows))
 
+@pytest.mark.parametrize("fmt", [*intdot.FORMATS, "Q4_0x8"])
+@pytest.mark.parametrize("rows", [3, 32])
+def test_a_block_of_rows_reads_in_place(fmt, rows, monkeypatch):
+  """A unit-step slice of a matrix's rows (V4's attn_output_a groups) takes the integer kernel on the matrix's own
+  bytes from the slice's first row: bitwise the GEMV/GEMM of those rows as a matrix of their own (Q4_0x8: interleaved)."""
+  monkeypatch.setattr(intdot, "GEMM_MIN_FLOAT_BYTES", 0)
+  rng = np.random.default_rng(11)
+  q = fmt[:4]
+  raw, x = _blocks(rng, q, 64, 256), rng.standard_normal((rows, 256)).astype(np.float32)
+  w = QTensor(Tensor(raw).realize(), QT[q], (64, 256))
+  part = QTensor(Tensor(raw[16:40]).realize(), QT[q], (24, 256))
+  if fmt == "Q4_0x8": w, part = interleave_q4_0(w), interleave_q4_0(part)
+  with settings.override(numerics="llama.cpp"):
+    y = linear(Tensor(x), w[16:40])
+    assert [u.arg.name for u in y.uop.toposort() if u.op is Ops.SINK and "intdot" in getattr(u.arg, "name", "")]
+    assert np.array_equal(y.numpy(), linear(Tensor(x), part).numpy())
+  _check(y.numpy(), _reference(x, raw[16:40], q))
+
 def test_only_where_inputs_are_rounded(monkeypatch):
   """The integer kernel runs where actquant rounds the input ("llama.cpp" and "auto" numerics), never in exact float
   math (also what a matmul outside a model's graphs gets), and `TG_DS4_INT_DOT=0` turns the kernel off (the float form

@@ -67,7 +67,7 @@ def applies(x: Tensor, w) -> bool:
   a multiple of MAX_ROWS, up to MAX_TILES tiles of them, where the CPU's capabilities allow: a prefill chunk), static
   shapes."""
   if len(w._src[1]) > 1 or not all(isinstance(s, int) for s in (*x.shape, *w.shape)) or x.shape[-1] != w.shape[-1]: return False
-  if w._src[1] and not (isinstance(w._src[1][0], Tensor) and w._src[0].ndim == 4): return False
+  if w._src[1] and not (isinstance(w._src[1][0], Tensor) and w._src[0].ndim == 4) and _first_row(w) is None: return False
   if not (lead := w.shape[:-2]):                                           # every leading axis of x is rows
     R = prod(x.shape[:-1])
     if R <= MAX_ROWS: return True
@@ -75,6 +75,14 @@ def applies(x: Tensor, w) -> bool:
     return (caps.int_gemm and R % MAX_ROWS == 0 and R <= MAX_TILES * MAX_ROWS
             and (caps.int_dot_vnni or prod(w.shape) * 4 >= GEMM_MIN_FLOAT_BYTES))
   return x.ndim >= 2 and x.shape[-2] <= MAX_ROWS and x.ndim - 2 <= len(lead)
+
+def _first_row(w) -> int | None:
+  """For `w` a block of consecutive rows of a 2-D weight (a unit-step slice of its rows: V4's attn_output_a groups),
+  the first row, which the kernel reads from in place; else None. Q4_0's repacked rows go in groups of 8."""
+  base, idx = w._src
+  if base.ndim != 3 or len(idx) != 1 or not isinstance(s := idx[0], slice) or s.step not in (None, 1): return None
+  start = range(base.shape[0])[s].start if len(range(base.shape[0])[s]) else None
+  return start if start is not None and not (repacked(w) and start % 8) else None
 
 # one output row (`@R@`: the flat index over matrix x output row) against R rows of x; the format's unpack
 # gives 32 int8 weights `wq_` per block; the lanes are summed as llama.cpp's hsum_float_8 sums them
@@ -287,7 +295,8 @@ def linear(x: Tensor, w, live: Tensor | None = None) -> Tensor:
   base, idx = w._src
   interleaved = x8 and w.x8 is not None                                      # quant/formats.py's interleave_q4_0
   if interleaved: base = w.x8
-  gathered = bool(idx)
+  first = _first_row(w)                                                      # a block of rows read in place
+  gathered = bool(idx) and first is None
   srcs = {"OUT": Tensor.empty(L * R * out, dtype=dtypes.float32, device=w.device), "W": base.flatten(), "XQ": xq.flatten(), "XD": xs[0].flatten()}
   if len(xs) > 1: srcs["XB" if q8k else "XI" if x8 else "XS"] = xs[1].flatten()
   if gathered: srcs["IDX"] = idx[0].cast(dtypes.int32).contiguous().flatten()
@@ -298,7 +307,11 @@ def linear(x: Tensor, w, live: Tensor | None = None) -> Tensor:
   vnni = settings.current(str(w.device)).caps.int_dot_vnni
   source = (functools.partial(intdot_k.source, fmt) if q8k else functools.partial(_source_q4_0x8, interleaved=interleaved) if x8 else
             functools.partial(_source, fmt))
-  body = ckernel.format_string(source(nb, out, rows, matrix_bytes, gathered, x_per_matrix, tiles, vnni, live is not None), names)
+  src = source(nb, out, rows, matrix_bytes, gathered, x_per_matrix, tiles, vnni, live is not None)
+  if first:  # every source starts its weight pointer from @W@ once: moved to the block's first row (rows are nb blocks)
+    assert src.count(W := "(const unsigned char *)@W@") == 1
+    src = src.replace(W, f"({W} + {first * nb * block_bytes}L)")
+  body = ckernel.format_string(src, names)
   per = 8 if x8 else 1                                                       # output rows per statement
   n = L * out // per
   threads = ckernel.threads(str(w.device), n)
