@@ -44,6 +44,7 @@ from tinygrad import Tensor, UOp, dtypes
 from tg_ds4.backend.compat import DType, function
 from tg_ds4.config import BaseConfig, Gating, Meta, MoEConfig, RopeConfig, RopeType
 from tg_ds4.io.gguf import GGUFError, GGUFFile
+from tg_ds4.nn import attention_kernel
 from tg_ds4.nn.layers import Embedding, Linear, Param, Params, RMSNorm, load_weights, matmul, matmul_input
 from tg_ds4.nn.moe import MoE
 from tg_ds4.nn.rope import apply_rope, rope_table
@@ -244,6 +245,10 @@ class Compressor:
 
   def __call__(self, x: Tensor, start_pos: int | UOp, table: Tensor) -> Tensor:
     """x `[B, T, dim]` (the attention input) -> the compressed-row cache after this chunk, `[1, n, D]`, n symbolic."""
+    return self.store(x, start_pos, table)[:, :start_pos // self.R + self.n_cand(x.shape[1])]
+
+  def store(self, x: Tensor, start_pos: int | UOp, table: Tensor) -> Tensor:
+    """x `[B, T, dim]` -> the whole compressed-row cache `[1, max_rows, D]` after this chunk's rows are stored in it."""
     R, D, coff, T = self.R, self.D, self.coff, x.shape[1]
     ape = as_tensor(getattr(self, f"{self.name}_ape").weight)
     ape = ape.repeat(-(-T // R) + 1, 1)[start_pos % R:start_pos % R + T]          # ape row of each token: its position % R
@@ -265,8 +270,7 @@ class Compressor:
     pooled = (v * s.softmax(2)).sum(2)                                             # [1, n, D]
     windows = table.reshape(-1, R, *table.shape[1:])[:, 0]                         # cos/sin at each window's first position
     rows = rope_tail(getattr(self, f"{self.name}_norm")(pooled), windows, w0)
-    stored = Tensor(self.rows.uop.after(self.rows[:, w0:w0 + n].uop.store(rows.cast(self.rows.dtype).uop)))
-    return stored[:, :w0 + n]
+    return Tensor(self.rows.uop.after(self.rows[:, w0:w0 + n].uop.store(rows.cast(self.rows.dtype).uop)))
 
 class Indexer:
   """`indexer.attn_q_b` (queries from the Q LoRA latent) and `indexer.proj` (per-head weights)."""
@@ -299,7 +303,10 @@ class DS4Attention:
     self.raw = Tensor.zeros(1, S, self.cfg.head_dim, device=device).cat(never, dim=-1).cast(dtype).contiguous().realize()
     if self.compressor is not None: self.compressor.init_cache(max_ctx, chunk, device, dtype)
     # the indexer's keys stay float32: its scores make a discrete choice (top-k), like the router's
-    if self.idx_compressor is not None: self.idx_compressor.init_cache(max_ctx, chunk, device, dtypes.float32)
+    if self.idx_compressor is not None:
+      self.idx_compressor.init_cache(max_ctx, chunk, device, dtypes.float32)
+      # the indexer's choice per query row and compressed row, as nn/attention_kernel.py's attention_sinks reads it
+      self.chosen = Tensor.zeros(chunk, self.idx_compressor.rows.shape[1], dtype=dtypes.uint8, device=device).contiguous().realize()
 
   def select(self, x: Tensor, qr: Tensor, start_pos: int | UOp, tabs: Tables, ok: Tensor) -> Tensor:
     """Indexer: which compressed rows each query attends, `[T, n]` bool (`ok`: the rows it may see). Float32 at any
@@ -314,16 +321,10 @@ class DS4Attention:
     score = (dot_lanes(q, keys).relu() * w.unsqueeze(-1)).sum(-2)                                # [B, T, n]
     return topk_mask(score[0], ok, cfg.idx_top_k, self.idx_compressor.rows.shape[1])
 
-  def __call__(self, x: Tensor, start_pos: int | UOp, tabs: Tables) -> Tensor:
-    cfg, (B, T, _) = self.cfg, x.shape
-    H, D, G = cfg.n_head, cfg.head_dim, cfg.o_groups
-    table, inv = (tabs.comp, tabs.comp_inv) if self.ratio else (tabs.main, tabs.main_inv)
-    qr = matmul_input(self.attn_q_a_norm(self.attn_q_a(x)))
-    q = rope_tail(rms0(self.attn_q_b(qr).reshape(B, T, H, D), cfg.norm_eps), table, start_pos)
-    kv = rope_tail(self.attn_kv_a_norm(self.attn_kv(x)), table, start_pos)                    # [B, T, D]: K and V
+  def _attend(self, x: Tensor, q: Tensor, qr: Tensor, raw: Tensor, start_pos: int | UOp, tabs: Tables) -> Tensor:
+    """Queries `[B, T, H, D]` over the raw ring's keys `[S, D]` and the compressed rows -> `[B, H, T, D]`, as tensor ops."""
+    cfg, T, D, H = self.cfg, x.shape[1], self.cfg.head_dim, self.cfg.n_head
     qpos = (Tensor.arange(T) + start_pos).reshape(T, 1)
-    pos = (qpos % POS_BASE).cat(qpos // POS_BASE, dim=-1).float().reshape(1, T, 2).pad((None, None, (0, POS_COLS - 2)))
-    raw = ring_write(self.raw, kv.cat(pos, dim=-1), start_pos)[0, :, :D]                       # [S, D]
     held = ring_positions(raw.shape[0], start_pos + T - 1).reshape(1, -1)
     keys, ok = raw, (held >= 0) & (held <= qpos) & (held > qpos - cfg.window)                  # [T, S]
     if self.ratio:
@@ -336,8 +337,40 @@ class DS4Attention:
     m = scores.max(-1, keepdim=True).maximum(sink)
     # materialised: left lazy, the exp is recomputed for every value column of `e @ keys` (512 per score)
     e = (scores - m).exp().contiguous()
-    o = (e @ keys) / (e.sum(-1, keepdim=True) + (sink - m).exp())                               # [B, H, T, D]
-    o = rope_tail(o.transpose(1, 2), inv, start_pos)                                            # rotate V's RoPE back
+    return (e @ keys) / (e.sum(-1, keepdim=True) + (sink - m).exp())
+
+  def _attend_kernel(self, x: Tensor, q: Tensor, qr: Tensor, ring: Tensor, start_pos: int | UOp, tabs: Tables,
+                     unit: tuple[int, int]) -> Tensor:
+    """The same as `_attend` as one C kernel (nn/attention_kernel.py's attention_sinks) over the static caches, the
+    visibility arithmetic on the position there, the indexer's choice stored for it -> `[T, H, D]`."""
+    cfg, T, R = self.cfg, x.shape[1], self.ratio
+    rows = self.compressor.store(x, start_pos, tabs.comp) if R else None
+    chosen = None
+    if R == 4:
+      n = start_pos // R + self.compressor.n_cand(T)
+      seen = ((arange(n) + 1) * R).reshape(1, -1) <= (Tensor.arange(T) + start_pos).reshape(T, 1) + 1
+      pick = self.select(x, qr, start_pos, tabs, seen).cast(dtypes.uint8)                     # [T, n]
+      chosen = Tensor(self.chosen.uop.after(self.chosen[:T, :n].uop.store(pick.uop)))
+    keys = attention_kernel.SinkKeys(R, self.compressor.n_cand(T) if R else 0, ring.shape[1], ring.shape[2], cfg.window, R == 4)
+    return attention_kernel.attention_sinks(q[0], ring, rows, chosen, as_tensor(self.attn_sinks.weight), start_pos, keys,
+                                            cfg.head_dim ** -0.5, unit)
+
+  def __call__(self, x: Tensor, start_pos: int | UOp, tabs: Tables) -> Tensor:
+    cfg, (B, T, _) = self.cfg, x.shape
+    H, D, G = cfg.n_head, cfg.head_dim, cfg.o_groups
+    table, inv = (tabs.comp, tabs.comp_inv) if self.ratio else (tabs.main, tabs.main_inv)
+    qr = matmul_input(self.attn_q_a_norm(self.attn_q_a(x)))
+    q = rope_tail(rms0(self.attn_q_b(qr).reshape(B, T, H, D), cfg.norm_eps), table, start_pos)
+    kv = rope_tail(self.attn_kv_a_norm(self.attn_kv(x)), table, start_pos)                    # [B, T, D]: K and V
+    qpos = (Tensor.arange(T) + start_pos).reshape(T, 1)
+    pos = (qpos % POS_BASE).cat(qpos // POS_BASE, dim=-1).float().reshape(1, T, 2).pad((None, None, (0, POS_COLS - 2)))
+    ring = ring_write(self.raw, kv.cat(pos, dim=-1), start_pos)                                # [1, S, D + POS_COLS]
+    rows = self.compressor.rows if self.ratio else None
+    unit = settings.current(x.device).caps.c_attention
+    if B == 1 and attention_kernel.sink_applies(q[0], ring, rows, unit, start_pos):
+      o = self._attend_kernel(x, q, qr, ring, start_pos, tabs, unit).unsqueeze(0)
+    else: o = self._attend(x, q, qr, ring[0, :, :D], start_pos, tabs).transpose(1, 2)
+    o = rope_tail(o, inv, start_pos)                                                            # rotate V's RoPE back
     # materialised: left lazy, the attention output (and its inverse rope) is recomputed for every row of the GEMV
     o = o.reshape(B * T, G, H * D // G).transpose(0, 1).contiguous()                            # [G, BT, H*D/G]
     if B * T == 1: o = linear(o, _grouped(self.attn_output_a.weight, G)).transpose(0, 1).reshape(B, T, G * cfg.o_lora_rank)

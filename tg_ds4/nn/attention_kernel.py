@@ -1,7 +1,9 @@
 """Attention over a KV cache as one C kernel on the CPU: scores, softmax and attn·v of a decode step or a prefill chunk
 in one pass over the cache rows, flash-attention style. MLA's latent cache (nn/mla.py: one row per position, its first
 columns the values) and GQA's K/V cache (nn/gqa.py: per position and KV head a key then a value) are the same walk with
-other offsets.
+other offsets. DeepSeek V4's keys (models/deepseek4.py: compressed rows, then a ring of raw rows, which are also the
+values) are the same walk over two segments, which key each query sees computed from the position (and the indexer's
+stored choice) per block of keys, and a per-head sink logit in the softmax (`attention_sinks`).
 
 tinygrad renders the three as separate kernels over the symbolic count of cache rows, and a chunk's attn·v as one
 scalar chain per (query, value column): at a few thousand cached positions the attention cost more than every weight
@@ -79,49 +81,37 @@ _EXP = ("x_ = __builtin_elementwise_max(x_, lo_);"
         "p_ = p_ * f_; const vi_ keep_ = x_ > lo_; vi_ pb_; __builtin_memcpy(&pb_, &p_, sizeof(p_)); pb_ = pb_ & keep_;"
         "__builtin_memcpy(&p_, &pb_, sizeof(p_));")
 
-def _source(H: int, lay: Layout, max_ctx: int, scale: float, window: int, unit: tuple[int, int], count: int) -> str:
-  """Statement `@R@` (of `count`; none past them): query rows [h0, h0 + RB) of token t of `[T, H, key_dim]` Q over cache
-  slot @SLOT@'s rows up to @POS@ + t (the last `window` of them where a window is set) -> the same rows of `[T, H,
-  value_dim]` OUT."""
-  (W, registers), G = unit, H // lay.kv_heads
-  RB, KB, D, Dv, row = _rows(G, registers), KEYS_PER_BLOCK, lay.key_dim, lay.value_dim, lay.kv_heads * lay.head
-  KS = 4 if registers >= 32 else 2       # keys per score tile (up to 4 rows by KS keys of accumulators)
+def _score_tile(keys: int, groups: list[tuple[int, int]], D: int, W: int, row: str, sc: str) -> str:
+  """C: scores `s_[r][kk_ + k]` of the statement's query rows (`groups` of up to 4 rows: (first, count)) against the
+  `keys` key rows from row j0_ + kk_ of `c_` (rows `row` floats apart), as register tiles of rows by keys."""
+  out = []
+  for r0, rs in groups:
+    acc = "".join(f"v_ a{i}_{k} = zero_;" for i in range(rs) for k in range(keys))
+    loads = "".join(f"const v_ k{k} = *(const v_ *)(c_ + (long)(j0_ + kk_ + {k}) * {row} + d_);" for k in range(keys)) + \
+      "".join(f"const v_ q{i} = *(const v_ *)(q_ + {(r0 + i) * D} + d_);" for i in range(rs))
+    fma = "".join(f"a{i}_{k} = a{i}_{k} + q{i} * k{k};" for i in range(rs) for k in range(keys))
+    res = "".join(f"s_[{r0 + i}][kk_ + {k}] = {_hsum(f'a{i}_{k}', W)} * {sc};" for i in range(rs) for k in range(keys))
+    out.append(f"{{ {acc} for (int d_ = 0; d_ < {D}; d_ += {W}) {{ {loads} {fma} }} {res} }}")
+  return " ".join(out)
+
+def _block(RB: int, D: int, Dv: int, W: int, registers: int, row: str, value_offset: int, scale: float, masked: bool) -> str:
+  """C: one block of up to KEYS_PER_BLOCK key rows from j0_ (nb_ of them) of `c_` taken into the online softmax of the
+  statement's RB query rows: scores, (`masked`: `vis_[kk_]` 0 hides key kk_), the block's maximum and probabilities,
+  the running sums rescaled, the values added."""
+  KB, KS = KEYS_PER_BLOCK, 4 if registers >= 32 else 2   # keys per score tile (up to 4 rows by KS keys of accumulators)
   groups = [(r, min(4, RB - r)) for r in range(0, RB, 4)]
   sc = f"{float(scale).hex()}f"  # a hex literal: the float32 nearest the scale, as tinygrad's cast of it
-
-  def tile(keys: int) -> str:
-    out = []
-    for r0, rs in groups:
-      acc = "".join(f"v_ a{i}_{k} = zero_;" for i in range(rs) for k in range(keys))
-      loads = "".join(f"const v_ k{k} = *(const v_ *)(c_ + (long)(j0_ + kk_ + {k}) * {row} + d_);" for k in range(keys)) + \
-        "".join(f"const v_ q{i} = *(const v_ *)(q_ + {(r0 + i) * D} + d_);" for i in range(rs))
-      fma = "".join(f"a{i}_{k} = a{i}_{k} + q{i} * k{k};" for i in range(rs) for k in range(keys))
-      res = "".join(f"s_[{r0 + i}][kk_ + {k}] = {_hsum(f'a{i}_{k}', W)} * {sc};" for i in range(rs) for k in range(keys))
-      out.append(f"{{ {acc} for (int d_ = 0; d_ < {D}; d_ += {W}) {{ {loads} {fma} }} {res} }}")
-    return " ".join(out)
-
   vals_acc = "".join(f"v_ o{i}_{v} = *(v_ *)(&acc_[{i}][c_l + {v * W}]) * corr_[{i}];" for i in range(RB) for v in range(2))
-  vals_load = "".join(f"const v_ x{v} = *(const v_ *)(c_ + (long)(j0_ + kk_) * {row} + {lay.value_offset} + c_l + {v * W});"
+  vals_load = "".join(f"const v_ x{v} = *(const v_ *)(c_ + (long)(j0_ + kk_) * {row} + {value_offset} + c_l + {v * W});"
                       for v in range(2))
   vals_fma = "".join(f"o{i}_{v} = o{i}_{v} + s_[{i}][kk_] * x{v};" for i in range(RB) for v in range(2))
   vals_store = "".join(f"*(v_ *)(&acc_[{i}][c_l + {v * W}]) = o{i}_{v};" for i in range(RB) for v in range(2))
-  first = f"n_ > {window} ? n_ - {window} : 0" if window else "0"
-  return f"""if (@R@ < {count}) ({{ typedef float v_ __attribute__((vector_size({4 * W}), aligned(4)));
-  typedef int vi_ __attribute__((vector_size({4 * W}), aligned(4)));
-  const v_ zero_ = {{0}}, lo_ = zero_ - 87.0f;
-  const int t_ = @R@ / {H // RB}, g_ = (@R@ % {H // RB}) / {G // RB}, h0_ = (@R@ % {H // RB}) * {RB};
-  const int n_ = (int)@POS@ + t_ + 1, start_ = {first};
-  const float *q_ = (const float *)@Q@ + ((long)t_ * {H} + h0_) * {D};
-  const float *c_ = (const float *)@C@ + (long)@SLOT@ * {max_ctx} * {row} + (long)g_ * {lay.head};
-  float m_[{RB}], l_[{RB}], corr_[{RB}], s_[{RB}][{KB}] __attribute__((aligned(64)));
-  float acc_[{RB}][{Dv}] __attribute__((aligned(64)));
-  for (int i_ = 0; i_ < {RB}; i_++) {{ m_[i_] = -__builtin_inff(); l_[i_] = 0.0f; for (int c_l = 0; c_l < {Dv}; c_l++) acc_[i_][c_l] = 0.0f; }}
-  for (int j0_ = start_; j0_ < n_; j0_ += {KB}) {{
-    const int nb_ = n_ - j0_ < {KB} ? n_ - j0_ : {KB};
-    int kk_ = 0;
-    for (; kk_ + {KS} <= nb_; kk_ += {KS}) {{ {tile(KS)} }}
-    for (; kk_ < nb_; kk_++) {{ {tile(1)} }}
+  hide = "for (kk_ = 0; kk_ < nb_; kk_++) if (!vis_[kk_]) s_[i_][kk_] = -__builtin_inff();" if masked else ""
+  return f"""int kk_ = 0;
+    for (; kk_ + {KS} <= nb_; kk_ += {KS}) {{ {_score_tile(KS, groups, D, W, row, sc)} }}
+    for (; kk_ < nb_; kk_++) {{ {_score_tile(1, groups, D, W, row, sc)} }}
     for (int i_ = 0; i_ < {RB}; i_++) {{
+      {hide}
       for (kk_ = nb_; kk_ < {KB}; kk_++) s_[i_][kk_] = -__builtin_inff();
       v_ mv_ = *(const v_ *)&s_[i_][0];
       for (kk_ = {W}; kk_ < {KB}; kk_ += {W}) mv_ = __builtin_elementwise_max(mv_, *(const v_ *)&s_[i_][kk_]);
@@ -135,11 +125,38 @@ def _source(H: int, lay: Layout, max_ctx: int, scale: float, window: int, unit: 
       {vals_acc}
       for (kk_ = 0; kk_ < nb_; kk_++) {{ {vals_load} {vals_fma} }}
       {vals_store}
-    }}
-  }}
-  float *o_ = (float *)@OUT@ + ((long)t_ * {H} + h0_) * {Dv};
+    }}"""
+
+def _head(W: int, RB: int, Dv: int, KB: int) -> str:
+  return f"""typedef float v_ __attribute__((vector_size({4 * W}), aligned(4)));
+  typedef int vi_ __attribute__((vector_size({4 * W}), aligned(4)));
+  const v_ zero_ = {{0}}, lo_ = zero_ - 87.0f;
+  float m_[{RB}], l_[{RB}], corr_[{RB}], s_[{RB}][{KB}] __attribute__((aligned(64)));
+  float acc_[{RB}][{Dv}] __attribute__((aligned(64)));"""
+
+def _store(H: int, RB: int, Dv: int) -> str:
+  return f"""float *o_ = (float *)@OUT@ + ((long)t_ * {H} + h0_) * {Dv};
   for (int i_ = 0; i_ < {RB}; i_++) {{
-    const float inv_ = 1.0f / l_[i_]; for (int c_l = 0; c_l < {Dv}; c_l++) o_[i_ * {Dv} + c_l] = acc_[i_][c_l] * inv_; }}
+    const float inv_ = 1.0f / l_[i_]; for (int c_l = 0; c_l < {Dv}; c_l++) o_[i_ * {Dv} + c_l] = acc_[i_][c_l] * inv_; }}"""
+
+def _source(H: int, lay: Layout, max_ctx: int, scale: float, window: int, unit: tuple[int, int], count: int) -> str:
+  """Statement `@R@` (of `count`; none past them): query rows [h0, h0 + RB) of token t of `[T, H, key_dim]` Q over cache
+  slot @SLOT@'s rows up to @POS@ + t (the last `window` of them where a window is set) -> the same rows of `[T, H,
+  value_dim]` OUT."""
+  (W, registers), G = unit, H // lay.kv_heads
+  RB, KB, D, Dv, row = _rows(G, registers), KEYS_PER_BLOCK, lay.key_dim, lay.value_dim, lay.kv_heads * lay.head
+  first = f"n_ > {window} ? n_ - {window} : 0" if window else "0"
+  return f"""if (@R@ < {count}) ({{ {_head(W, RB, Dv, KB)}
+  const int t_ = @R@ / {H // RB}, g_ = (@R@ % {H // RB}) / {G // RB}, h0_ = (@R@ % {H // RB}) * {RB};
+  const int n_ = (int)@POS@ + t_ + 1, start_ = {first};
+  const float *q_ = (const float *)@Q@ + ((long)t_ * {H} + h0_) * {D};
+  const float *c_ = (const float *)@C@ + (long)@SLOT@ * {max_ctx} * {row} + (long)g_ * {lay.head};
+  for (int i_ = 0; i_ < {RB}; i_++) {{ m_[i_] = -__builtin_inff(); l_[i_] = 0.0f; for (int c_l = 0; c_l < {Dv}; c_l++) acc_[i_][c_l] = 0.0f; }}
+  for (int j0_ = start_; j0_ < n_; j0_ += {KB}) {{
+    const int nb_ = n_ - j0_ < {KB} ? n_ - j0_ : {KB};
+    {_block(RB, D, Dv, W, registers, str(row), lay.value_offset, scale, False)}
+  }}
+  {_store(H, RB, Dv)}
 }});"""
 
 def attention(q: Tensor, cache: Tensor, slot: int | UOp, start_pos: int | UOp, layout: Layout, scale: float, unit: tuple[int, int],
@@ -168,3 +185,83 @@ def attention(q: Tensor, cache: Tensor, slot: int | UOp, start_pos: int | UOp, l
     info = KernelInfo(name=f"attention_{T}_{H}_{D}", estimates=est)
     return ckernel.statement_kernel(body, bufs, {0: r * RB * layout.value_dim}, r, (i, t), info, scalars=vals)
   return ckernel.call(kernel, list(srcs.values()), list(scalars.values()))[0][:T * H * layout.value_dim].reshape(T, H, layout.value_dim)
+
+@dataclass(frozen=True)
+class SinkKeys:
+  """DeepSeek V4's attention keys (models/deepseek4.py), which are also its values: the compressed rows `[0, n)` of a
+  static cache, n = start_pos // ratio + candidates, then every slot of the raw ring (`slots` rows of `ring_row`
+  floats, position p in slot p % slots). A query at position q sees a compressed row j once its window is complete,
+  (j + 1) * ratio <= q + 1 (with `selected`: and where the indexer chose it), and a raw slot holding a position in
+  (q - window, q]. The softmax has a per-head sink logit: a denominator term with no value."""
+  ratio: int        # 0: no compressed rows
+  candidates: int   # compressed rows past start_pos // ratio that a chunk writes
+  slots: int
+  ring_row: int
+  window: int
+  selected: bool
+
+def _sink_source(H: int, T: int, D: int, keys: SinkKeys, max_rows: int, scale: float, unit: tuple[int, int], count: int) -> str:
+  """Statement `@R@` (of `count`): query rows [h0, h0 + RB) of token t of `[T, H, D]` Q over the keys of `keys` (the
+  compressed rows @ROWS@, the raw ring @RAW@, the indexer's choice @SEL@ `[chunk, max_rows]`) -> the same rows of
+  `[T, H, D]` OUT. A block of keys the token sees none of is skipped: taken in, it would leave the sums as they are."""
+  (W, registers), KB, k = unit, KEYS_PER_BLOCK, keys
+  RB = _rows(H, registers)
+  seen = f"(j_ + 1) * {k.ratio} <= qpos_ + 1" + (f" && ((const unsigned char *)@SEL@)[(long)t_ * {max_rows} + j_]" if k.selected else "")
+  held = f"last_ - ((last_ % {k.slots} + {k.slots} - j_) % {k.slots})"
+  return f"""if (@R@ < {count}) ({{ {_head(W, RB, D, KB)}
+  unsigned char vis_[{KB}];
+  const int t_ = @R@ / {H // RB}, h0_ = (@R@ % {H // RB}) * {RB};
+  const int qpos_ = (int)@POS@ + t_, last_ = (int)@POS@ + {T - 1};
+  const float *q_ = (const float *)@Q@ + ((long)t_ * {H} + h0_) * {D};
+  for (int i_ = 0; i_ < {RB}; i_++) {{       /* the sink as the first term: its logit the maximum so far, e^0 the sum */
+    m_[i_] = ((const float *)@SINK@)[h0_ + i_]; l_[i_] = 1.0f; for (int c_l = 0; c_l < {D}; c_l++) acc_[i_][c_l] = 0.0f; }}
+  for (int seg_ = {0 if k.ratio else 1}; seg_ < 2; seg_++) {{
+    const float *c_ = seg_ ? (const float *)@RAW@ : (const float *)@{"ROWS" if k.ratio else "RAW"}@;
+    const int row_ = seg_ ? {k.ring_row} : {D}, n_ = seg_ ? {k.slots} : {f"(int)@POS@ / {k.ratio} + {k.candidates}" if k.ratio else 0};
+    for (int j0_ = 0; j0_ < n_; j0_ += {KB}) {{
+      const int nb_ = n_ - j0_ < {KB} ? n_ - j0_ : {KB};
+      int any_ = 0;
+      for (int kk_ = 0; kk_ < nb_; kk_++) {{
+        const int j_ = j0_ + kk_;
+        if (seg_) {{ const int p_ = {held}; vis_[kk_] = p_ >= 0 && p_ <= qpos_ && p_ > qpos_ - {k.window}; }}
+        else vis_[kk_] = {seen if k.ratio else 0};
+        any_ |= vis_[kk_];
+      }}
+      if (!any_) continue;
+      {_block(RB, D, D, W, registers, "row_", 0, scale, True)}
+    }}
+  }}
+  {_store(H, RB, D)}
+}});"""
+
+def sink_applies(q: Tensor, raw: Tensor, rows: Tensor | None, unit: tuple[int, int] | None, start_pos) -> bool:
+  """Whether `attention_sinks` takes these: a vector unit, float32 keys whose width it tiles, an int or variable position."""
+  D = q.shape[-1]
+  return unit is not None and raw.dtype == dtypes.float32 and (rows is None or rows.dtype == dtypes.float32) and \
+    D % (2 * unit[0]) == 0 and q.shape[1] % _rows(q.shape[1], unit[1]) == 0 and ckernel.bound_variable(start_pos)
+
+def attention_sinks(q: Tensor, raw: Tensor, rows: Tensor | None, sel: Tensor | None, sinks: Tensor, start_pos: int | UOp, keys: SinkKeys,
+                    scale: float, unit: tuple[int, int]) -> Tensor:
+  """q `[T, H, D]` (token t at position start_pos + t) over V4's keys (`SinkKeys`): `raw` the ring `[1, slots, ring_row]`
+  (a key in its first D floats), `rows` the compressed-row cache `[1, max_rows, D]`, `sel` the indexer's choice
+  `[chunk, max_rows]` (uint8, rows [0, T) written), `sinks` `[H]` -> `[T, H, D]`: softmax over the visible keys and
+  the sink of (q k^T * scale), times the keys, float32. The sums run in this module's order (see the docstring)."""
+  (T, H, D), max_rows = q.shape, rows.shape[1] if rows is not None else 0
+  RB = _rows(H, unit[1])
+  count = T * H // RB
+  threads, per = ckernel.uneven_threads(str(q.device), count)
+  srcs = {"OUT": Tensor.empty(threads * per * RB * D, dtype=dtypes.float32, device=q.device),
+          "Q": q.float().contiguous().flatten(), "RAW": raw.flatten(), "SINK": sinks.float().contiguous().flatten()}
+  if rows is not None: srcs["ROWS"] = rows.flatten()
+  if sel is not None: srcs["SEL"] = sel.flatten()
+  scalars = {"POS": start_pos}
+  body = ckernel.format_string(_sink_source(H, T, D, keys, max_rows, scale, unit, count), [*srcs, *scalars, "R"])
+  def kernel(*params: UOp) -> UOp:
+    bufs, vals = params[:len(srcs)], params[len(srcs):]
+    t, i = UOp.range(threads, 0, AxisType.THREAD), UOp.range(per, 1)
+    r = t * per + i
+    n = keys.slots + (vals[0] // keys.ratio + keys.candidates if keys.ratio else 0)  # keys the kernel walks (symbolic in a captured step)
+    est = Estimates(ops=4 * H * T * n * D, lds=4 * (count * n * 2 * D + 2 * T * H * D), mem=4 * (n * D + 2 * T * H * D))
+    info = KernelInfo(name=f"attention_sinks_{T}_{H}_{D}", estimates=est)
+    return ckernel.statement_kernel(body, bufs, {0: r * RB * D}, r, (i, t), info, scalars=vals)
+  return ckernel.call(kernel, list(srcs.values()), list(scalars.values()))[0][:T * H * D].reshape(T, H, D)
