@@ -295,17 +295,24 @@ def test_vnni_gives_the_same_integers(fmt, monkeypatch):
     vnni = vnni[0]
     _check(vnni, _reference(x, raw, fmt))
 
-def test_dead_matrices_compute_nothing():
-  """`live` (nn/moe.py's padding tiles): a gathered matrix flagged 0 gives zeros, the others exactly what they give alone."""
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q5_1", "Q2_K", "IQ2_XXS"])  # repacked, the 8-lane form (with Q8_1's sums), Q8_K
+def test_counted_rows_compute_only_those(fmt):
+  """`live` (nn/moe.py's tiles: the rows each tile's pairs fill): a gathered matrix takes its first `live` rows of x,
+  bitwise what it gives for them with every row, and gives zeros for the rest (a padding tile, 0, for all of them)."""
   rng = np.random.default_rng(9)
-  raw, ids = _blocks(rng, "Q4_0", 8, 64, 256), np.array([6, 1, 6], np.int32)
-  x = rng.standard_normal((3, 4, 256)).astype(np.float32)
-  w = QTensor(Tensor(raw).realize(), QT["Q4_0"], (8, 64, 256))
+  k = 256
+  raw = _blocks(rng, fmt, 8, 64, k) if fmt in intdot.FORMATS else rng.integers(0, 256, (8, 64, 1, QT[fmt].nbytes), np.uint8)
+  ids = np.array([6, 1, 6], np.int32)
+  if fmt == "Q2_K": raw[..., 80:84] = np.array([0.01, 0.002], np.float16).view(np.uint8)       # d, dmin
+  if fmt == "IQ2_XXS": raw[..., :2] = np.array([0.01], np.float16).view(np.uint8)
+  x = rng.standard_normal((3, 4, k)).astype(np.float32)
+  w = QTensor(Tensor(raw).realize(), QT[fmt], (8, 64, k))
   with settings.override(numerics="llama.cpp"):
     every = intdot.linear(Tensor(x), w[Tensor(ids)]).numpy()
-    some = intdot.linear(Tensor(x), w[Tensor(ids)], Tensor(np.array([1, 0, 1], np.int32))).numpy()
-  assert np.array_equal(some[[0, 2]], every[[0, 2]]) and not some[1].any() and every[1].any()
-  _check(every, _reference(x, raw[ids], "Q4_0"))
+    some = intdot.linear(Tensor(x), w[Tensor(ids)], Tensor(np.array([4, 0, 2], np.int32))).numpy()
+  assert np.isfinite(every).all() and every[1].any() and every[2, 2:].any()
+  assert np.array_equal(some[0], every[0]) and np.array_equal(some[2, :2], every[2, :2]) and not some[1].any() and not some[2, 2:].any()
+  if fmt in intdot.FORMATS: _check(every, _reference(x, raw[ids], fmt))
 
 def test_load_interleaves_q4_0_where_its_integer_dots_run(monkeypatch):
   """A model's load re-lays its Q4_0 matrices and routed experts (models/widen.py's interleave) under the default

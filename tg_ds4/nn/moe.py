@@ -67,10 +67,11 @@ def group_by_expert(e: Tensor, n_expert: int, n_tiles: int) -> tuple[Tensor, Ten
   pair = (slot.unsqueeze(0) == Tensor.arange(n_tiles * R).unsqueeze(1)).where(ar, 0).sum(-1)  # [n_tiles * R]
   return tile_expert.cast(dtypes.int32), pair.reshape(n_tiles, R).cast(dtypes.int32), slot.cast(dtypes.int32)
 
-def live_tiles(e: Tensor, n_expert: int, n_tiles: int) -> Tensor:
-  """`[n_tiles]` int32: 1 for the tiles group_by_expert fills (each expert's), 0 for the ones after them, which only pad
-  the static tile count (from group_by_expert's own counts, which the graph shares)."""
-  return (Tensor.arange(n_tiles) < _tiles_each(e, n_expert)[1].sum()).cast(dtypes.int32)
+def tile_rows(slot: Tensor, n_tiles: int) -> Tensor:
+  """`[n_tiles]` int32: how many of each tile's TILE_ROWS rows hold a pair (group_by_expert's `slot`: each pair's row;
+  an expert's pairs fill its tiles' rows in order), 0 for the tiles that only pad the static tile count."""
+  filled = (slot.unsqueeze(0) == Tensor.arange(n_tiles * TILE_ROWS).unsqueeze(1)).any(-1)                 # [n_tiles * R]
+  return filled.reshape(n_tiles, TILE_ROWS).cast(dtypes.int32).sum(-1).cast(dtypes.int32)
 
 def _swiglu(g: Tensor, u: Tensor, act: str = "silu") -> Tensor:
   """act(gate) * up as three kernels' worth of barriers: the gate GEMV alone, the up GEMV with the activation as its
@@ -173,8 +174,8 @@ class MoE:
       # add per row and value): the tile's rows then cost one multiply-add each per value.
       h = x.reshape(B * T, D)[pair // ids.shape[-1]]                                                 # [tiles, TILE_ROWS, D]
       # llama.cpp's integer dots (quant/intdot.py) take a tile's rows as rows of x against its one gathered
-      # weight, each block unpacked once for all of them; the tiles past the used ones compute nothing
-      if intdot.takes_all(*self._exps_weights()): rows = self._ffn_exps(h, tile_expert, live=live_tiles(ids.flatten(), self.cfg.n_expert, n_tiles))
+      # weight, each block unpacked once for the rows its pairs fill; the tiles past the used ones compute nothing
+      if intdot.takes_all(*self._exps_weights()): rows = self._ffn_exps(h, tile_expert, live=tile_rows(slot, n_tiles))
       else: rows = self._ffn_exps(h.unsqueeze(-2), tile_expert.unsqueeze(-1).expand(pair.shape), affine=False)
       y = rows.reshape(-1, D)[slot].reshape(*ids.shape, D)                                          # each pair's row
     y = (y * w.unsqueeze(-1)).sum(-2)                                                               # [B,T,D]
@@ -182,7 +183,8 @@ class MoE:
 
   def tiled(self, pairs: int, device: str) -> bool:
     """Whether `pairs` (token, expert) pairs run as expert tiles: where the device's capabilities ask for them (backend.Capabilities.expert_tiles)
-    and the tiles, each costing TILE_COST one-pair GEMVs, cost less than the pairs' own GEMVs."""
+    and the tiles, each costing TILE_COST one-pair GEMVs, cost less than the pairs' own GEMVs (the padding tiles' rows
+    pass through the row-wise kernels between the GEMVs whatever the GEMVs skip)."""
     return settings.current(device).caps.expert_tiles and TILE_COST * expert_tiles(pairs, self.cfg.n_expert) < pairs  # never one token: k < experts
 
   def __call__(self, x: Tensor) -> Tensor:

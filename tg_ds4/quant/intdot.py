@@ -100,17 +100,18 @@ _UNPACK = {
   "Q8_0": "v32c wq_; __builtin_memcpy(&wq_, blk_ + 2, 32);"}
 
 def _source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered: bool, x_per_matrix: bool, tiles: int = 1,
-            vnni: bool = False, live: bool = False) -> str:
+            vnni: bool = False, stride: int = 0) -> str:
   """`tiles` > 1 (a prefill chunk, ungathered): the output row against `tiles` consecutive tiles of `rows` rows of x in
   turn, each tile with its own accumulators, so a row's result is the same as in a tile alone. `vnni`: each block's
-  int32 lanes from one `vpdpbusd` (backend.Capabilities.int_dot_vnni), the same integers. `live`: a flag per gathered
-  matrix (`@LIVE@`); a matrix whose flag is 0 computes nothing and its outputs are 0."""
+  int32 lanes from one `vpdpbusd` (backend.Capabilities.int_dot_vnni), the same integers. `stride`: rows of x (and of
+  the output) per matrix where the statement takes only the first `rows` of them (`linear`'s counted rows); default
+  rows * tiles."""
   dot = ("__builtin_ia32_vpdpbusd256((v8i){0,0,0,0,0,0,0,0}, (v8i)aw_, (v8i)__builtin_ia32_psignb256(xv_, wq_))" if vnni else
          "__builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256(aw_, __builtin_ia32_psignb256(xv_, wq_)), one_)")
   bb, m = FORMATS[fmt], fmt in MINIMUM  # + its minimum times x's block sum, a float sum of its own (ggml's summs)
   mat = ("((const int *)@IDX@)[@R@ / %d]" if gathered else "@R@ / %d") % out
-  xrow = "(@R@ / %d) * %d" % (out, rows * tiles) if x_per_matrix else "0"
-  total = rows * tiles
+  total = stride or rows * tiles
+  xrow = "(@R@ / %d) * %d" % (out, total) if x_per_matrix else "0"
   unpack = f"""const unsigned char *blk_ = w_ + b_ * {bb};
     {_UNPACK[fmt]}
     __fp16 h_; __builtin_memcpy(&h_, blk_, 2); const float dw_ = (float)h_;
@@ -118,7 +119,7 @@ def _source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered:
     const v32c aw_ = __builtin_ia32_psignb256(wq_, wq_);"""
   # tiles: the weight row unpacked once into arrays that stay in L1 (a Q5 block's bits cost more than a load per tile)
   prologue = "" if tiles == 1 else f"""v32c wq_s_[{nb}], aw_s_[{nb}]; float dw_s_[{nb}], mw_s_[{nb}];
-  for (int b_ = 0; b_ < (live_ ? {nb} : 0); b_++) {{ {unpack}
+  for (int b_ = 0; b_ < {nb}; b_++) {{ {unpack}
     wq_s_[b_] = wq_; aw_s_[b_] = aw_; dw_s_[b_] = dw_; mw_s_[b_] = mw_; (void)mw_; }}"""
   block = unpack if tiles == 1 else "const v32c wq_ = wq_s_[b_], aw_ = aw_s_[b_]; const float dw_ = dw_s_[b_], mw_ = mw_s_[b_]; (void)mw_;"
   return f"""({{ typedef signed char v32c __attribute__((vector_size(32))); typedef unsigned char v16u __attribute__((vector_size(16)));
@@ -127,14 +128,13 @@ def _source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered:
   typedef unsigned char v32u __attribute__((vector_size(32)));
   const unsigned char *w_ = (const unsigned char *)@W@ + (long)({mat}) * {matrix_bytes}L + (long)(@R@ % {out}) * {nb * bb};
   const v16s one_ = {{1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1}};
-  const int live_ = {"((const int *)@LIVE@)[@R@ / %d]" % out if live else "1"};
   {prologue}
   for (int t_ = 0; t_ < {tiles}; t_++) {{
   const int xr_ = {xrow} + t_ * {rows};
   v8f acc_[{rows}];
   float sm_[{rows}];
   for (int r_ = 0; r_ < {rows}; r_++) {{ acc_[r_] = (v8f){{0,0,0,0,0,0,0,0}}; sm_[r_] = 0.0f; }}
-  for (int b_ = 0; b_ < (live_ ? {nb} : 0); b_++) {{
+  for (int b_ = 0; b_ < {nb}; b_++) {{
     {block}
     for (int r_ = 0; r_ < {rows}; r_++) {{
       v32c xv_; __builtin_memcpy(&xv_, (const signed char *)@XQ@ + ((long)(xr_ + r_) * {nb} + b_) * 32, 32);
@@ -177,11 +177,11 @@ def _transpose8(names: list[str], out: list[str]) -> str:
   return "\n      ".join(lines)
 
 def _source_q4_0x8(nb: int, out: int, rows: int, matrix_bytes: int, gathered: bool, x_per_matrix: bool, tiles: int = 1,
-                   vnni: bool = False, live: bool = False, interleaved: bool = False) -> str:
+                   vnni: bool = False, stride: int = 0, interleaved: bool = False) -> str:
   """The statement for one group of 8 output rows (see above); the other arguments as `_source`'s. `interleaved`: the
   weight's bytes as quant/formats.py's interleave_q4_0 lays them out, whose 32-byte loads are the transposed vectors
   (their nibbles masked and shifted) instead of the file's blocks transposed here."""
-  row_bytes, total = nb * 18, rows * tiles
+  row_bytes, total = nb * 18, stride or rows * tiles
   mat = ("((const int *)@IDX@)[@R@ * 8 / %d]" if gathered else "@R@ * 8 / %d") % out
   xrow = "(@R@ * 8 / %d) * %d" % (out, total) if x_per_matrix else "0"
   T = [f"T{j}_" for j in range(8)]
@@ -209,12 +209,11 @@ def _source_q4_0x8(nb: int, out: int, rows: int, matrix_bytes: int, gathered: bo
   const int o_ = (@R@ * 8) % {out};
   const unsigned char *w_ = (const unsigned char *)@W@ + (long)({mat}) * {matrix_bytes}L + (long)o_ * {row_bytes};
   const v16s one_ = {{1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1}};
-  const int live_ = {"((const int *)@LIVE@)[@R@ * 8 / %d]" % out if live else "1"};
   for (int t_ = 0; t_ < {tiles}; t_++) {{
     const int xr_ = {xrow} + t_ * {rows};
     v8f acc_[{rows}];
     for (int r_ = 0; r_ < {rows}; r_++) acc_[r_] = (v8f){{0,0,0,0,0,0,0,0}};
-    for (int b_ = 0; b_ < (live_ ? {nb} : 0); b_++) {{
+    for (int b_ = 0; b_ < {nb}; b_++) {{
       v8h h_;
       {unpack}
       {transpose}
@@ -275,7 +274,9 @@ def _quantize(x: Tensor, sums: bool, minus8: bool = False) -> tuple[Tensor, ...]
 def linear(x: Tensor, w, live: Tensor | None = None) -> Tensor:
   """`x @ w.T` for `applies(x, w)`, float32: w `[out, in]` and x `[..., in]` (every leading axis rows) -> `[..., out]`;
   w `[*lead, out, in]` and x `[*lead', R, in]` (lead' broadcasts to lead) -> `[*lead, R, out]`. `live` (a gathered w:
-  one int per matrix, shape `lead`): where 0, that matrix's outputs are 0 and cost nothing (nn/moe.py's unused tiles)."""
+  one int per matrix, shape `lead`): how many of its R rows of x that matrix takes, 0..R; its outputs past them are 0
+  and cost nothing (nn/moe.py's expert tiles: the rows its expert's pairs fill, none in the tiles that only pad the
+  count), so a tile costs one unpack of each weight block plus a dot per row it holds."""
   fmt, (out, k), lead = w.qtype.name, w.shape[-2:], w.shape[:-2]
   q8k = fmt in intdot_k.FORMATS                                              # x rounded to Q8_K blocks of 256 (intdot_k)
   block, block_bytes = (intdot_k.BLOCK, intdot_k.FORMATS[fmt]) if q8k else (32, FORMATS[fmt])
@@ -307,12 +308,19 @@ def linear(x: Tensor, w, live: Tensor | None = None) -> Tensor:
   vnni = settings.current(str(w.device)).caps.int_dot_vnni
   source = (functools.partial(intdot_k.source, fmt) if q8k else functools.partial(_source_q4_0x8, interleaved=interleaved) if x8 else
             functools.partial(_source, fmt))
-  src = source(nb, out, rows, matrix_bytes, gathered, x_per_matrix, tiles, vnni, live is not None)
+  per = 8 if x8 else 1                                                       # output rows per statement
+  if live is None: src = source(nb, out, rows, matrix_bytes, gathered, x_per_matrix, tiles, vnni)
+  else:  # counted rows: the statement for its matrix's count of rows (each a loop of constant length), the rest zeros
+    def zero(r: int) -> str:
+      return (f"__builtin_memset((float *)@OUT@ + (long)(@R@ * 8 / {out}) * {out * R} + {r * out}L + (@R@ * 8) % {out}, 0, 32);" if x8 else
+              f"((float *)@OUT@)[(long)(@R@ / {out}) * {out * R} + {r * out}L + @R@ % {out}] = 0.0f;")
+    cases = "".join(f"case {n}: {source(nb, out, n, matrix_bytes, gathered, x_per_matrix, 1, vnni, stride=R)} "
+                    f"{''.join(zero(r) for r in range(n, R))} break;\n  " for n in range(1, R + 1))
+    src = f"switch (((const int *)@LIVE@)[@R@ * {per} / {out}]) {{\n  {cases}default: {''.join(zero(r) for r in range(R))} }}"
   if first:  # every source starts its weight pointer from @W@ once: moved to the block's first row (rows are nb blocks)
     assert src.count(W := "(const unsigned char *)@W@") == 1
     src = src.replace(W, f"({W} + {first * nb * block_bytes}L)")
   body = ckernel.format_string(src, names)
-  per = 8 if x8 else 1                                                       # output rows per statement
   n = L * out // per
   threads = ckernel.threads(str(w.device), n)
   def kernel(*params: UOp) -> UOp:

@@ -101,12 +101,12 @@ def _finish(fmt: str) -> str:
   return f"acc_[r_] = __builtin_ia32_vfmaddps256({_splat('dw_ * xd_', 'v8f', 8)}, __builtin_convertvector(s_[r_], v8f), acc_[r_]);"
 
 def source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered: bool, x_per_matrix: bool, tiles: int = 1,
-           vnni: bool = False, live: bool = False) -> str:
+           vnni: bool = False, stride: int = 0) -> str:
   """One output row (`@R@`: the flat index over matrix x output row) against `rows` rows of x, in `tiles` tiles of them
   in turn (each with its own accumulators), as quant/intdot.py's `_source`; its other arguments are that one's. Each
   plane is unpacked and then taken by every row before the next (one row: the block streams through registers); with
   tiles the weight row is unpacked once, into arrays that stay in L1, and every tile reads them."""
-  bb, total = FORMATS[fmt], rows * tiles
+  bb, total = FORMATS[fmt], stride or rows * tiles
   mat = ("((const int *)@IDX@)[@R@ / %d]" if gathered else "@R@ / %d") % out
   xrow = "(@R@ / %d) * %d" % (out, total) if x_per_matrix else "0"
   (head, hv), (plane, pv) = _HEAD[fmt], _PLANE[fmt]
@@ -118,7 +118,7 @@ def source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered: 
     decl = " ".join([f"{t} {n}s_[{nb}];" for t, n in hv] + [f"{t} {n}s_[{nb}][8];" for t, n in pv])
     keep_h, keep_p = " ".join(f"{n}s_[b_] = {n};" for _, n in hv), " ".join(f"{n}s_[b_][p_] = {n};" for _, n in pv)
     prologue = f"""{decl}
-  for (int b_ = 0; b_ < (live_ ? {nb} : 0); b_++) {{ {blk}
+  for (int b_ = 0; b_ < {nb}; b_++) {{ {blk}
     {{ {head} {keep_h} }}
     for (int p_ = 0; p_ < 8; p_++) {{ {plane} {keep_p} }} }}"""
     head = " ".join(f"const {t} {n} = {n}s_[b_];" for t, n in hv)
@@ -126,14 +126,13 @@ def source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered: 
   tail = "0.125f * " if fmt == "IQ2_XXS" else ""
   return f"""({{ {_TYPES}
   const unsigned char *w_ = (const unsigned char *)@W@ + (long)({mat}) * {matrix_bytes}L + (long)(@R@ % {out}) * {nb * bb};
-  const int live_ = {"((const int *)@LIVE@)[@R@ / %d]" % out if live else "1"};
   {_c_tables() if fmt == 'IQ2_XXS' else ''}
   {prologue}
   for (int t_ = 0; t_ < {tiles}; t_++) {{
     const int xr_ = {xrow} + t_ * {rows};
     v8f acc_[{rows}];
     for (int r_ = 0; r_ < {rows}; r_++) acc_[r_] = {_splat("0.0f", "v8f", 8)};
-    for (int b_ = 0; b_ < (live_ ? {nb} : 0); b_++) {{
+    for (int b_ = 0; b_ < {nb}; b_++) {{
       {blk} (void)blk_;
       {head}
       v8i s_[{rows}];
