@@ -72,12 +72,15 @@ def test_expert_ffn_matches_numpy(T):
     ref[0, t] += ws["sd"] @ (silu(ws["sg"] @ x[0, t]) * (ws["su"] @ x[0, t]))
   np.testing.assert_allclose(moe(Tensor(x)).numpy(), ref, rtol=1e-4, atol=1e-5)
 
-@pytest.mark.parametrize("routing", ["random", "one expert", "two experts"])
+@pytest.mark.parametrize("routing", ["random", "one expert", "two experts", "one pair each"])
 def test_group_by_expert(routing):
   """Every (token, expert) pair lands in a row of a tile of its own expert, each row holds at most one pair, pairs keep
-  their order within an expert, and the tiles fit whatever the routing (all pairs on one expert fill whole tiles)."""
-  rng, P, E = np.random.default_rng(3), 96, 16
-  e = {"random": rng.integers(0, E, P), "one expert": np.full(P, 5), "two experts": rng.choice([2, 11], P)}[routing]
+  their order within an expert, and the tiles fit whatever the routing (all pairs on one expert fill whole tiles; fewer
+  pairs than experts, each on its own, take one tile per pair, the count expert_tiles allows)."""
+  rng, E = np.random.default_rng(3), 16
+  P = 12 if routing == "one pair each" else 96
+  e = {"random": rng.integers(0, E, P), "one expert": np.full(P, 5), "two experts": rng.choice([2, 11], P),
+       "one pair each": rng.permutation(E)[:P]}[routing]
   n_tiles = expert_tiles(P, E)
   tile_expert, pair, slot = (t.numpy() for t in group_by_expert(Tensor(e.astype(np.int32)), E, n_tiles))
   assert tile_expert.shape == (n_tiles,) and pair.shape == (n_tiles, TILE_ROWS) and slot.shape == (P,)

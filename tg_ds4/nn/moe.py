@@ -41,10 +41,15 @@ TILE_ROWS = 4  # tokens per expert tile of a chunk: kernel_opts holds up to GEMV
 # value into TILE_ROWS rows), as measured on V2-Lite's Q4_0 experts over a 128-token chunk
 TILE_COST = 2
 
+# integer-dot tiles cost no more than their pairs' GEMVs, but grouping the pairs by expert takes a few kernels more and
+# the tiles' padding rows pass through the row-wise kernels between the GEMVs: chunks only, not a decode step or a
+# few batched ones
+TILED_TOKENS = 8
+
 def expert_tiles(pairs: int, n_expert: int) -> int:
   """Tiles of TILE_ROWS rows that hold `pairs` (token, expert) pairs grouped by expert, whatever the routing: each
-  expert's pairs fill whole tiles but its last."""
-  return -(-pairs // TILE_ROWS) + n_expert
+  expert's pairs fill whole tiles but its last, and every tile holds a pair (so at most one tile per pair)."""
+  return min(pairs, -(-pairs // TILE_ROWS) + n_expert)
 
 def _tiles_each(e: Tensor, n_expert: int) -> tuple[Tensor, Tensor]:
   """(each pair's expert one-hot `[P, E]`, the tiles each expert's pairs fill `[E]`)."""
@@ -182,10 +187,13 @@ class MoE:
     return y.contiguous() if B * T > 1 else y
 
   def tiled(self, pairs: int, device: str) -> bool:
-    """Whether `pairs` (token, expert) pairs run as expert tiles: where the device's capabilities ask for them (backend.Capabilities.expert_tiles)
-    and the tiles, each costing TILE_COST one-pair GEMVs, cost less than the pairs' own GEMVs (the padding tiles' rows
-    pass through the row-wise kernels between the GEMVs whatever the GEMVs skip)."""
-    return settings.current(device).caps.expert_tiles and TILE_COST * expert_tiles(pairs, self.cfg.n_expert) < pairs  # never one token: k < experts
+    """Whether `pairs` (token, expert) pairs run as expert tiles: where the device's capabilities ask for them
+    (backend.Capabilities.expert_tiles) and the tiles cost less than the pairs' own GEMVs: with integer dots, whose
+    tiles unpack each weight block once and take a dot per pair they hold, every chunk of at least TILED_TOKENS
+    tokens; else where the tiles, each costing TILE_COST one-pair GEMVs, cost less."""
+    if not settings.current(device).caps.expert_tiles: return False
+    if intdot.takes_all(*self._exps_weights()): return pairs >= TILED_TOKENS * self.cfg.n_expert_used
+    return TILE_COST * expert_tiles(pairs, self.cfg.n_expert) < pairs  # never one token: k < experts
 
   def __call__(self, x: Tensor) -> Tensor:
     y = self.experts(x, *self.route(x))

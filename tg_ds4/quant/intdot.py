@@ -327,7 +327,11 @@ def linear(x: Tensor, w, live: Tensor | None = None) -> Tensor:
     # the rows split over the threads by hand (a THREAD range outermost): tinygrad's opts pass would rebuild the
     # kernel's info without the estimates below, and it has nothing else to do here
     t, i = UOp.range(threads, 0, AxisType.THREAD), UOp.range(n // threads, 1)
-    r = t * (n // threads) + i
+    # counted rows: the statements dealt out in turn, as the tiles that hold pairs come first and the empty ones last
+    S = out // per                                                           # statements per matrix
+    # counted rows: whole matrices dealt out to the threads in turn (the tiles that hold pairs come first, the empty
+    # ones last); statements dealt one by one would write neighbouring floats of one output row from both threads
+    r = ((i // S) * threads + t) * S + i % S if live is not None and L % threads == 0 else t * (n // threads) + i
     # what tinygrad cannot count in a C statement: the weight rows read once, x's int8 blocks and scales, the outputs
     xb = block + 4 + (32 if q8k else 0)                                      # x's bytes per block: values, scale (, Q8_K's sums)
     est = Estimates(ops=2 * L * R * out * k, lds=L * out * (tiles * nb * block_bytes + R * nb * xb) + 4 * L * R * out,
