@@ -42,9 +42,9 @@ TILE_ROWS = 4  # tokens per expert tile of a chunk: kernel_opts holds up to GEMV
 TILE_COST = 2
 
 # integer-dot tiles cost no more than their pairs' GEMVs, but grouping the pairs by expert takes a few kernels more and
-# the tiles' padding rows pass through the row-wise kernels between the GEMVs: chunks only, not a decode step or a
-# few batched ones
-TILED_TOKENS = 8
+# the tiles' padding rows pass through the row-wise kernels between the GEMVs: chunks only, not a decode step nor a
+# batched one (serve's at most 8 slots), whose captures would compile them for every slot count
+TILED_TOKENS = 16
 
 def expert_tiles(pairs: int, n_expert: int) -> int:
   """Tiles of TILE_ROWS rows that hold `pairs` (token, expert) pairs grouped by expert, whatever the routing: each
