@@ -236,9 +236,8 @@ def _sink_source(H: int, T: int, D: int, keys: SinkKeys, max_rows: int, scale: f
 
 def sink_applies(q: Tensor, raw: Tensor, rows: Tensor | None, unit: tuple[int, int] | None, start_pos) -> bool:
   """Whether `attention_sinks` takes these: a vector unit, float32 keys whose width it tiles, an int or variable position."""
-  D = q.shape[-1]
   return unit is not None and raw.dtype == dtypes.float32 and (rows is None or rows.dtype == dtypes.float32) and \
-    D % (2 * unit[0]) == 0 and q.shape[1] % _rows(q.shape[1], unit[1]) == 0 and ckernel.bound_variable(start_pos)
+    q.shape[-1] % (2 * unit[0]) == 0 and ckernel.bound_variable(start_pos)
 
 def attention_sinks(q: Tensor, raw: Tensor, rows: Tensor | None, sel: Tensor | None, sinks: Tensor, start_pos: int | UOp, keys: SinkKeys,
                     scale: float, unit: tuple[int, int]) -> Tensor:

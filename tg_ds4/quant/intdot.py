@@ -81,8 +81,8 @@ def _first_row(w) -> int | None:
   the first row, which the kernel reads from in place; else None. Q4_0's repacked rows go in groups of 8."""
   base, idx = w._src
   if base.ndim != 3 or len(idx) != 1 or not isinstance(s := idx[0], slice) or s.step not in (None, 1): return None
-  start = range(base.shape[0])[s].start if len(range(base.shape[0])[s]) else None
-  return start if start is not None and not (repacked(w) and start % 8) else None
+  rows = range(base.shape[0])[s]
+  return rows.start if len(rows) and not (repacked(w) and rows.start % 8) else None
 
 # one output row (`@R@`: the flat index over matrix x output row) against R rows of x; the format's unpack
 # gives 32 int8 weights `wq_` per block; the lanes are summed as llama.cpp's hsum_float_8 sums them
