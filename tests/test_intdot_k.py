@@ -1,5 +1,5 @@
-"""quant/intdot_k.py: Q2_K and IQ2_XXS GEMVs on x rounded to Q8_K, held bit for bit to ggml's own
-quantize_row_q8_K and vec_dot_q2_K_q8_K / vec_dot_iq2_xxs_q8_K (stored outputs: tests/fixtures/make_intdot_k_reference.py),
+"""quant/intdot_k.py: Q2_K, IQ2_XXS, Q4_K and Q6_K GEMVs on x rounded to Q8_K, held bit for bit to ggml's own
+quantize_row_q8_K and vec_dot_<fmt>_q8_K (stored outputs: tests/fixtures/make_intdot_k_reference.py),
 and, for the shapes the stored case does not cover (batched rows, prefill tiles, gathered experts, with and without
 VNNI), to a numpy model of the same arithmetic (quantize_row_q8_K_ref's rounding, exact integer lanes, the float
 steps in llama.cpp's order) that equals ggml's on the stored case. A wrong plane, shift, scale nibble, grid row, sign bit
@@ -17,7 +17,7 @@ from tg_ds4.backend.compat import Ops
 from tg_ds4.quant import activations, intdot, intdot_k, settings
 from tg_ds4.quant.formats import QTYPES, QTensor, linear
 
-pytestmark = pytest.mark.skipif(not {"Q2_K", "IQ2_XXS"} <= backend.capabilities("CPU").int_dot_formats,
+pytestmark = pytest.mark.skipif(not set(intdot_k.FORMATS) <= backend.capabilities("CPU").int_dot_formats,
                                 reason="needs an x86 CPU with AVX2/F16C/FMA and tinygrad 0.14's internals")
 QT = {q.name: q for q in QTYPES.values()}
 f32 = lambda v: np.asarray(v, np.float64).astype(np.float32).astype(np.float64)
@@ -26,7 +26,7 @@ def _blocks(rng, fmt: str, *shape: int) -> np.ndarray:
   """Random blocks `[*lead, out, k/256, bytes]`: any bytes are valid codes; the fp16 scales kept small and finite."""
   *lead, out, k = shape
   raw = rng.integers(0, 256, size=(*lead, out, k // 256, intdot_k.FORMATS[fmt]), dtype=np.uint8)
-  at = (80, 82) if fmt == "Q2_K" else (0,)
+  at = {"Q2_K": (80, 82), "IQ2_XXS": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}[fmt]
   for o in at: raw[..., o:o + 2] = (rng.random((*lead, out, k // 256)) * 0.02).astype(np.float16)[..., None].view(np.uint8)
   return raw
 
@@ -41,9 +41,28 @@ def _q8_k(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _f16(raw: np.ndarray, at: int) -> np.ndarray: return raw[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float64)
 
+def _k4_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Q4_K's 8 6-bit scales and 8 6-bit minima per block, as ggml's get_scale_min_k4 reads its 12 bytes."""
+  q = raw[..., 4:16].astype(np.int64)
+  sc = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 15) | ((q[..., 0:4] >> 6) << 4)], -1)
+  mn = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], -1)
+  return sc, mn
+
 def _weights(raw: np.ndarray, fmt: str) -> tuple[np.ndarray, ...]:
-  """Per block: the 256 integer values as the dot takes them (Q2_K: times their 4-bit scales; IQ2_XXS: signed grid
-  values), the integer weight of each value (IQ2_XXS: 2s + 1 of its 32; Q2_K: 1), the fp16 scale(s)."""
+  """Per block: the 256 integer values as the dot takes them (Q2_K, Q4_K, Q6_K: times their scales, Q6_K's without its
+  -32; IQ2_XXS: signed grid values), the integer weight of each value (IQ2_XXS: 2s + 1 of its 32; else 1), the minima
+  or scales the sums of x take (Q2_K, Q4_K: minima; Q6_K: its 16 scales), the fp16 scale(s)."""
+  e = np.arange(256); p, t = e // 32, e % 32                                   # plane p of 32 values
+  if fmt == "Q4_K":
+    sc, mn = _k4_scales(raw)
+    q = (raw[..., 16 + (p // 2) * 32 + t].astype(np.int64) >> (4 * (p % 2))) & 15
+    return q * sc[..., p], np.ones(256, np.int64), mn, _f16(raw, 0), _f16(raw, 2)
+  if fmt == "Q6_K":
+    h, k = p // 4, p % 4
+    lo = (raw[..., 64 * h + 32 * (k % 2) + t].astype(np.int64) >> (4 * (k // 2))) & 15
+    hi = (raw[..., 128 + 32 * h + t].astype(np.int64) >> (2 * k)) & 3
+    sc = raw[..., 192:208].view(np.int8).astype(np.int64)
+    return (lo | hi << 4) * sc[..., e // 16], np.ones(256, np.int64), sc, _f16(raw, 208)
   if fmt == "Q2_K":
     sc, qs = raw[..., :16].astype(np.int64), raw[..., 16:80].astype(np.int64)
     e = np.arange(256); p, t = e // 32, e % 32                                 # plane p = 4j + i of 32 values
@@ -67,20 +86,25 @@ def _ggml(x: np.ndarray, raw: np.ndarray, fmt: str) -> np.ndarray:
   float64 before its float32 rounding, as test_intdot's models)."""
   xq, xd, xb = _q8_k(x)
   lane = lambda v: v.reshape(*v.shape[:-1], 8, 8, 4).sum(-1).sum(-2)        # [.., 256] -> 8 lanes over the 8 planes
-  if fmt == "Q2_K":
-    wq, _, mn, d, dmin = _weights(raw, fmt)
+  if fmt in ("Q2_K", "Q4_K", "Q6_K"):
+    wq, _, mn, d, *dmin = _weights(raw, fmt)
     ints = lane(xq[..., :, None, :, :] * wq[..., None, :, :, :])              # [..., R, out, nb, 8]
-    mins = (mn[..., None, :, :, :] * xb[..., :, None, :, :]).reshape(*ints.shape[:-1], 8, 2).sum(-1)
+    if fmt == "Q4_K":  # 4 lanes: minima 2k, 2k+1 against x's sums of 32 (sums 4k..4k+3 in pairs)
+      x32 = xb.reshape(*xb.shape[:-1], 8, 2).sum(-1)
+      mins = (mn[..., None, :, :, :] * x32[..., :, None, :, :]).reshape(*ints.shape[:-1], 4, 2).sum(-1)
+    else:              # Q2_K: 8 lanes of minima 2l, 2l+1 times sums 2l, 2l+1; Q6_K: 32 times the scales' products
+      mins = (mn[..., None, :, :, :] * xb[..., :, None, :, :]).reshape(*ints.shape[:-1], 8, 2).sum(-1)
+      if fmt == "Q6_K": ints = ints - 32 * mins
   else:
     wq, ls, d = _weights(raw, fmt)
     ints = lane(xq[..., :, None, :, :] * wq[..., None, :, :, :] * ls[..., None, :, :, :])
-  acc = np.zeros(ints.shape[:-2] + (8,))
+  acc, acc_m = np.zeros(ints.shape[:-2] + (8,)), np.zeros(ints.shape[:-2] + (4,))
   for b in range(ints.shape[-2]):
     xdb = xd[..., :, None, b, None]
-    if fmt == "Q2_K":
-      acc = f32(f32(-xdb * dmin[..., None, :, b, None]) * mins[..., b, :] + acc)
-      acc = f32(f32(xdb * d[..., None, :, b, None]) * ints[..., b, :] + acc)
-    else: acc = f32(f32(d[..., None, :, b, None] * xdb) * ints[..., b, :] + acc)
+    if fmt == "Q2_K": acc = f32(f32(-xdb * dmin[0][..., None, :, b, None]) * mins[..., b, :] + acc)
+    if fmt == "Q4_K": acc_m = f32(f32(-xdb * dmin[0][..., None, :, b, None]) * mins[..., b, :] + acc_m)
+    acc = f32(f32(xdb * d[..., None, :, b, None]) * ints[..., b, :] + acc)
+  if fmt == "Q4_K": return f32(_hsum(acc) + f32(f32(acc_m[..., 0] + acc_m[..., 2]) + f32(acc_m[..., 1] + acc_m[..., 3]))).astype(np.float32)
   return (f32(0.125 * _hsum(acc)) if fmt == "IQ2_XXS" else _hsum(acc)).astype(np.float32)
 
 @pytest.mark.parametrize("fmt", list(intdot_k.FORMATS))
@@ -93,6 +117,12 @@ def test_the_model_reads_blocks_as_ggml(fmt):
   if fmt == "Q2_K":
     wq, _, mn, d, dmin = _weights(raw, fmt)
     got = d[..., None] * wq - dmin[..., None] * np.repeat(mn, 16, -1)
+  elif fmt == "Q4_K":
+    wq, _, mn, d, dmin = _weights(raw, fmt)
+    got = d[..., None] * wq - dmin[..., None] * np.repeat(mn, 32, -1)
+  elif fmt == "Q6_K":
+    wq, _, sc, d = _weights(raw, fmt)
+    got = d[..., None] * (wq - 32 * np.repeat(sc, 16, -1))
   else:
     wq, ls, d = _weights(raw, fmt)
     got = d[..., None] * wq * ls * 0.125

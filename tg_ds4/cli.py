@@ -268,9 +268,10 @@ def add_quantize(s) -> None:
 def add_numerics(s) -> None:
   s.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
                  help="how quantized matmuls treat their inputs: auto (default) rounds them to 8 bits as llama.cpp does "
-                      "where this device takes integer dot products for the weight's format (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/IQ2_XXS on an AVX2 "
-                      "CPU: faster) and is exact float math elsewhere; exact: float math everywhere (transformers' "
-                      "arithmetic on the same weights); llama.cpp: every input rounded as llama.cpp rounds it")
+                      "where this device takes integer dot products for the weight's format "
+                      "(Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q4_K/Q6_K/IQ2_XXS on an AVX2 CPU: faster) and is exact float math elsewhere; "
+                      "exact: float math everywhere (transformers' arithmetic on the same weights); "
+                      "llama.cpp: every input rounded as llama.cpp rounds it")
   s.add_argument("--llama-cpp-rounding", dest="numerics", action="store_const", const="llama.cpp",
                  help="the same as --numerics llama.cpp")
 

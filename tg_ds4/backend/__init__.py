@@ -60,7 +60,8 @@ class Capabilities:
                             # as our C kernel (nn/attention_kernel.py: scores, softmax and attn·v in one pass over the cache)
   widen_weights: bool       # dense weights in formats the CPU's code handles slowly re-encoded at load (models/widen.py)
 
-INT_DOT_FORMATS = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "IQ2_XXS"})  # the formats quant/intdot.py has kernels for
+# the formats quant/intdot.py (and intdot_k.py) have kernels for
+INT_DOT_FORMATS = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "IQ2_XXS", "Q4_K", "Q6_K"})
 
 def capabilities(device: str | None = None) -> Capabilities:
   """`device`'s capabilities under the current TG_DS4_* knobs: `TG_DS4_AFFINE_GEMV=0`, `TG_DS4_EXPERT_TILES=0`,

@@ -8,27 +8,29 @@ from tg_ds4.quant.formats import K_WIDENED, X8, interleave_q4_0, q5_0_as_q8_0, w
 
 WIDEN_K_MAX_EXTRA = 1 << 30  # K-quant widening is skipped when it would add more bytes than this (a big model)
 
-def widen_for_cpu(model, q5_0: bool = True) -> None:
+def widen_for_cpu(model, q5_0: bool = True, k_quants: frozenset[str] = frozenset(K_WIDENED)) -> None:
   """Dense Linear weights in formats whose bit fields cost tinygrad's CPU code more than their bytes, re-encoded with
   identical values: with `q5_0`, Q5_0 as Q8_0 (quant/formats.py's `q5_0_as_q8_0`, 1.55x the bytes, a float GEMV faster
-  per weight: no 5th bit to shift and mask in) and, when the extra memory stays under WIDEN_K_MAX_EXTRA, Q6_K and Q4_K as int8 with
-  float32 sub-block scales (quant/formats.py's `widen_k_quant`, 1.5x / 2.2x the bytes). Made for dense models on the
-  CPU (models/transformer.py's Transformer.load)."""
+  per weight: no 5th bit to shift and mask in) and, when the extra memory stays under WIDEN_K_MAX_EXTRA, those of
+  `k_quants` (Q6_K, Q4_K) as int8 with float32 sub-block scales (quant/formats.py's `widen_k_quant`, 1.5x / 2.2x the
+  bytes). Made for dense models on the CPU (models/transformer.py's Transformer.load)."""
   ws = [(o, w) for o, attr, w in packed_weights(model) if isinstance(o, Linear) and attr == "weight"]
   for owner, w in ws:
     if q5_0 and w.qtype.name == "Q5_0": owner.weight = q5_0_as_q8_0(w)
-  k = [(o, w) for o, w in ws if w.qtype.name in K_WIDENED]
+  k = [(o, w) for o, w in ws if w.qtype.name in K_WIDENED and w.qtype.name in k_quants]
   if sum(prod(w.shape) * K_WIDENED[w.qtype.name].nbytes // K_WIDENED[w.qtype.name].block - w.nbytes for _, w in k) <= WIDEN_K_MAX_EXTRA:
     for owner, w in k: owner.weight = widen_k_quant(w)
 
 def prepare(model, settings) -> None:
   """After the weights are loaded: `widen_for_cpu` where the device's capabilities ask for it (`settings`: the model's
   quant/settings.py Settings). Not under "llama.cpp" numerics, which round every matmul's input by the file's weight
-  format. Q5_0 stays packed where its GEMVs take integer dot products (quant/intdot.py unpacks its fifth bits for less
-  than the bytes a widened copy reads)."""
+  format. Q5_0, Q4_K and Q6_K stay packed where their GEMVs take integer dot products (quant/intdot.py and intdot_k.py
+  unpack their bit fields for less than the bytes a widened copy reads)."""
   if settings.caps.widen_weights and settings.numerics != "llama.cpp":
-    with settings.active(): q5_0 = not activations.rounds("Q5_0", settings.caps.device)
-    widen_for_cpu(model, q5_0=q5_0)
+    with settings.active():
+      q5_0 = not activations.rounds("Q5_0", settings.caps.device)
+      k_quants = frozenset(f for f in K_WIDENED if not activations.rounds(f, settings.caps.device))
+    widen_for_cpu(model, q5_0=q5_0, k_quants=k_quants)
 
 def interleave(model, settings, release=lambda t: None) -> None:
   """After the weights are loaded and fused: every Q4_0 weight whose GEMVs take ggml's repacked arithmetic

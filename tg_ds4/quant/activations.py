@@ -7,7 +7,7 @@ close greedy choices or MoE routes. The numerics a model's graphs are built unde
 - "exact": float math on the exact dequantized weights, the references' arithmetic (transformers on the same values);
 - "llama.cpp": every quantized matmul's input rounded as llama.cpp rounds it, for token-exact comparisons with it;
 - "auto" (what a model loads with unless told otherwise): llama.cpp's rounding for the weight types whose integer dot
-  product the device runs natively (backend.Capabilities.int_dot_formats: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/IQ2_XXS on an
+  product the device runs natively (backend.Capabilities.int_dot_formats: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q4_K/Q6_K/IQ2_XXS on an
   AVX2 CPU, where it is faster than exact float math and is what llama.cpp computes for them), exact float math for
   every other type and device.
 Outside a model's graphs matmuls are exact. The rounding is expressed as lazy tensor ops and

@@ -505,7 +505,7 @@ def linear(x: Tensor, w: Weight, bias: Weight | None = None, dtype: DType | None
   accumulator per lane, which the C compiler turns into vector multiply-adds; a plain dot product is one chain of
   dependent scalar adds (float addition is not reassociated). Where quant/activations.py says so ("llama.cpp"
   numerics, or "auto" for the formats below), x is first rounded the way llama.cpp rounds the input of a matmul with
-  this weight type, and where the backend can (quant/intdot.py: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/IQ2_XXS on an AVX2 CPU) the GEMV takes
+  this weight type, and where the backend can (quant/intdot.py: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q4_K/Q6_K/IQ2_XXS on an AVX2 CPU) the GEMV takes
   llama.cpp's integer block dot products instead of this float form. `dtype`: that of x and the dequantized weight
   (default: the current settings' matmul type, float32 unless the model asks for half); accumulation and the result are float32
   either way. The per-block form of a format that has one (QuantType.affine) is for one row of x only: with several

@@ -16,7 +16,7 @@ does not depend on how many rows run with it. A gathered weight (nn/moe.py's exp
 selected matrix through its index.
 
 Used where the device's capabilities list the format (backend.Capabilities.int_dot_formats: the CPU device, tinygrad's
-internals as backend/compat.py expects, an x86 CPU with AVX2 and F16C, `TG_DS4_INT_DOT` not 0). Q2_K and IQ2_XXS run
+internals as backend/compat.py expects, an x86 CPU with AVX2 and F16C, `TG_DS4_INT_DOT` not 0). Q2_K, IQ2_XXS, Q4_K and Q6_K run
 through the same `linear` on x rounded to Q8_K; their rounding kernel and block dots are quant/intdot_k.py's."""
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from tg_ds4.quant import activations, ckernel, intdot_k, settings
 # block bytes: an fp16 scale (Q4_1, Q5_1: and an fp16 minimum), Q5's 32 fifth bits, then nibbles or int8
 FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
 MINIMUM = ("Q4_1", "Q5_1")          # value d * q + m: x rounded to Q8_1, whose block sums carry the minimum
-assert set(FORMATS) | set(intdot_k.FORMATS) == set(backend.INT_DOT_FORMATS)  # and Q2_K, IQ2_XXS: x rounded to Q8_K (intdot_k)
+assert set(FORMATS) | set(intdot_k.FORMATS) == set(backend.INT_DOT_FORMATS)  # and the K-quants and IQ2_XXS: x rounded to Q8_K (intdot_k)
 MAX_ROWS = 8                        # rows of x per weight matrix kept in registers (8 accumulators of 8 floats)
 MAX_TILES = 16                      # a prefill chunk's rows against one weight (ungathered): up to this many tiles of
                                     # MAX_ROWS rows, each weight row unpacked once per tile while it sits in L1

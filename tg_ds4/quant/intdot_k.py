@@ -29,9 +29,9 @@ from tinygrad import Tensor, dtypes
 from tg_ds4.backend.compat import Estimates, KernelInfo, UOp, prod
 from tg_ds4.quant import ckernel
 
-FORMATS = {"Q2_K": 84, "IQ2_XXS": 66}  # block bytes; a block is 256 values
+FORMATS = {"Q2_K": 84, "IQ2_XXS": 66, "Q4_K": 144, "Q6_K": 210}  # block bytes; a block is 256 values
 BLOCK = 256
-BSUMS = ("Q2_K",)  # formats whose dot reads x's 16 sums per block
+BSUMS = ("Q2_K", "Q4_K", "Q6_K")  # formats whose dot reads x's 16 sums per block
 
 @functools.cache
 def _table_values() -> dict[str, np.ndarray]:
@@ -45,7 +45,8 @@ def _table_values() -> dict[str, np.ndarray]:
 
 _TYPES = """typedef signed char v32c __attribute__((vector_size(32))); typedef unsigned char v32u __attribute__((vector_size(32)));
   typedef short v16s __attribute__((vector_size(32))); typedef int v8i __attribute__((vector_size(32)));
-  typedef float v8f __attribute__((vector_size(32))); typedef unsigned long long v4q __attribute__((vector_size(32)));"""
+  typedef float v8f __attribute__((vector_size(32))); typedef unsigned long long v4q __attribute__((vector_size(32)));
+  typedef short v8s __attribute__((vector_size(16))); typedef float v4f __attribute__((vector_size(16)));"""
 
 def _splat(v: str, t: str, n: int) -> str: return "(%s){" % t + ",".join([v] * n) + "}"
 
@@ -56,7 +57,18 @@ _HEAD = {
   "Q2_K": ("""v16s mn_; for (int i_ = 0; i_ < 16; i_++) mn_[i_] = (short)(blk_[i_] >> 4);
       __fp16 h_; __builtin_memcpy(&h_, blk_ + 80, 2); const float dw_ = (float)h_;
       __builtin_memcpy(&h_, blk_ + 82, 2); const float mw_ = (float)h_;""", [("v16s", "mn_"), ("float", "dw_"), ("float", "mw_")]),
-  "IQ2_XXS": ("__fp16 h_; __builtin_memcpy(&h_, blk_, 2); const float dw_ = (float)h_;", [("float", "dw_")])}
+  "IQ2_XXS": ("__fp16 h_; __builtin_memcpy(&h_, blk_, 2); const float dw_ = (float)h_;", [("float", "dw_")]),
+  # Q4_K: the 12 bytes of 6-bit scales and minima unpacked as ggml's utmp shuffle (get_scale_min_k4's values)
+  "Q4_K": ("""unsigned int u_[4]; __builtin_memcpy(u_, blk_ + 4, 12);
+      u_[3] = ((u_[2] >> 4) & 0x0f0f0f0fu) | (((u_[1] >> 6) & 0x03030303u) << 4);
+      const unsigned int ua_ = u_[1] & 0x3f3f3f3fu;
+      u_[1] = (u_[2] & 0x0f0f0f0fu) | (((u_[0] >> 6) & 0x03030303u) << 4); u_[2] = ua_; u_[0] &= 0x3f3f3f3fu;
+      const unsigned char *sm_ = (const unsigned char *)u_;
+      v8s sc_, mn_; for (int i_ = 0; i_ < 8; i_++) { sc_[i_] = sm_[i_]; mn_[i_] = sm_[8 + i_]; }
+      __fp16 h_; __builtin_memcpy(&h_, blk_, 2); const float dw_ = (float)h_;
+      __builtin_memcpy(&h_, blk_ + 2, 2); const float mw_ = (float)h_;""", [("v8s", "sc_"), ("v8s", "mn_"), ("float", "dw_"), ("float", "mw_")]),
+  "Q6_K": ("""v16s sc6_; for (int i_ = 0; i_ < 16; i_++) sc6_[i_] = (short)(signed char)blk_[192 + i_];
+      __fp16 h_; __builtin_memcpy(&h_, blk_ + 208, 2); const float dw_ = (float)h_;""", [("v16s", "sc6_"), ("float", "dw_")])}
 _PLANE = {
   "Q2_K": ("""v32u bits_; __builtin_memcpy(&bits_, blk_ + 16 + (p_ >> 2) * 32, 32);
         const unsigned char lo_ = blk_[2 * p_] & 15, hi_ = blk_[2 * p_ + 1] & 15;
@@ -66,7 +78,20 @@ _PLANE = {
         const v32u q_ = (v32u)(v4q){grid_[a_ & 255], grid_[(a_ >> 8) & 255], grid_[(a_ >> 16) & 255], grid_[a_ >> 24]};
         const v32c sg_ = (v32c)(v4q){signs_[m_ & 127], signs_[(m_ >> 7) & 127], signs_[(m_ >> 14) & 127], signs_[(m_ >> 21) & 127]};
         const short l_ = (short)(2 * (m_ >> 28) + 1);
-        const v16s ls_ = {%s};""" % ",".join(["l_"] * 16), [("v32u", "q_"), ("v32c", "sg_"), ("v16s", "ls_")])}
+        const v16s ls_ = {%s};""" % ",".join(["l_"] * 16), [("v32u", "q_"), ("v32c", "sg_"), ("v16s", "ls_")]),
+  # Q4_K: plane p is the low (p even) or high nibbles of the 32 bytes p/2, one 6-bit scale
+  "Q4_K": ("""v32u bits_; __builtin_memcpy(&bits_, blk_ + 16 + (p_ >> 1) * 32, 32);
+        const v32u q_ = (bits_ >> (unsigned char)(4 * (p_ & 1))) & (unsigned char)15;
+        const short k_ = sc_[p_];
+        const v16s scl_ = {%s};""" % ",".join(["k_"] * 16), [("v32u", "q_"), ("v16s", "scl_")]),
+  # Q6_K: plane p = 4h + k takes nibble k >> 1 of ql's 32 bytes 64h + 32 (k & 1) and bits 2k, 2k+1 of qh's 32 bytes
+  # 128 + 32h as its value's bits 4 and 5 (0..63, the -32 is x's sums' term); its two halves' int8 scales 2p, 2p+1
+  "Q6_K": ("""const int h6_ = p_ >> 2, k6_ = p_ & 3;
+        v32u lb_, hb_; __builtin_memcpy(&lb_, blk_ + 64 * h6_ + 32 * (k6_ & 1), 32); __builtin_memcpy(&hb_, blk_ + 128 + 32 * h6_, 32);
+        const v32u q_ = ((lb_ >> (unsigned char)(4 * (k6_ >> 1))) & (unsigned char)15) |
+                        (((hb_ >> (unsigned char)(2 * k6_)) & (unsigned char)3) << (unsigned char)4);
+        const short ka_ = sc6_[2 * p_], kb_ = sc6_[2 * p_ + 1];
+        const v16s scl_ = {%s};""" % ",".join(["ka_"] * 8 + ["kb_"] * 8), [("v32u", "q_"), ("v16s", "scl_")])}
 # prefill tiles: Q2_K's values times their scales once per weight row (a 2-bit value times a 4-bit scale fits a byte),
 # so that each row's dot is one multiply-add per plane; a GEMV takes the scales per row instead (llama.cpp's
 # vpmaddwd with them), which costs less than the byte multiplies where the block is unpacked for one row
@@ -88,7 +113,7 @@ def _step(fmt: str, vnni: bool, scaled: bool) -> str:
   if fmt == "Q2_K" and scaled:
     return ("s_[r_] = __builtin_ia32_vpdpbusd256(s_[r_], (v8i)q_, (v8i)xv_);" if vnni else
             f"s_[r_] = s_[r_] + __builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256((v32c)q_, xv_), {_splat('1', 'v16s', 16)});")
-  if fmt == "Q2_K": return "s_[r_] = s_[r_] + __builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256((v32c)q_, xv_), scl_);"
+  if fmt in ("Q2_K", "Q4_K", "Q6_K"): return "s_[r_] = s_[r_] + __builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256((v32c)q_, xv_), scl_);"
   return "s_[r_] = s_[r_] + __builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256((v32c)q_, __builtin_ia32_psignb256(xv_, sg_)), ls_);"
 
 def _finish(fmt: str) -> str:
@@ -98,6 +123,15 @@ def _finish(fmt: str) -> str:
         const v8i mp_ = __builtin_ia32_pmaddwd256(mn_, bs_);
         acc_[r_] = __builtin_ia32_vfmaddps256({_splat("-xd_ * mw_", "v8f", 8)}, __builtin_convertvector(mp_, v8f), acc_[r_]);
         acc_[r_] = __builtin_ia32_vfmaddps256({_splat("xd_ * dw_", "v8f", 8)}, __builtin_convertvector(s_[r_], v8f), acc_[r_]);"""
+  if fmt == "Q4_K":  # the minima against x's 8 sums of 32 (hadd of the 16 sums), 4 lanes of their own (acc_m)
+    pm = ",".join(f"(float)(mn_[{2*k}] * (short)(bs_[{4*k}] + bs_[{4*k+1}]) + mn_[{2*k+1}] * (short)(bs_[{4*k+2}] + bs_[{4*k+3}]))" for k in range(4))
+    return f"""v16s bs_; __builtin_memcpy(&bs_, (const short *)@XB@ + xb_i_ * 16, 32);
+        accm_[r_] = __builtin_ia32_vfmaddps({_splat("-xd_ * mw_", "v4f", 4)}, (v4f){{{pm}}}, accm_[r_]);
+        acc_[r_] = __builtin_ia32_vfmaddps256({_splat("xd_ * dw_", "v8f", 8)}, __builtin_convertvector(s_[r_], v8f), acc_[r_]);"""
+  if fmt == "Q6_K":  # the values' -32: 32 times x's 16 sums times their scales, lane l from the sums 2l, 2l+1
+    return f"""v16s bs_; __builtin_memcpy(&bs_, (const short *)@XB@ + xb_i_ * 16, 32);
+        const v8i sb_ = __builtin_ia32_pmaddwd256(bs_, sc6_) << 5;
+        acc_[r_] = __builtin_ia32_vfmaddps256({_splat("xd_ * dw_", "v8f", 8)}, __builtin_convertvector(s_[r_] - sb_, v8f), acc_[r_]);"""
   return f"acc_[r_] = __builtin_ia32_vfmaddps256({_splat('dw_ * xd_', 'v8f', 8)}, __builtin_convertvector(s_[r_], v8f), acc_[r_]);"
 
 def source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered: bool, x_per_matrix: bool, tiles: int = 1,
@@ -119,19 +153,21 @@ def source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered: 
     keep_h, keep_p = " ".join(f"{n}s_[b_] = {n};" for _, n in hv), " ".join(f"{n}s_[b_][p_] = {n};" for _, n in pv)
     prologue = f"""{decl}
   for (int b_ = 0; b_ < {nb}; b_++) {{ {blk}
-    {{ {head} {keep_h} }}
-    for (int p_ = 0; p_ < 8; p_++) {{ {plane} {keep_p} }} }}"""
+    {{ {head} {keep_h}
+      for (int p_ = 0; p_ < 8; p_++) {{ {plane} {keep_p} }} }} }}"""
     head = " ".join(f"const {t} {n} = {n}s_[b_];" for t, n in hv)
     plane = " ".join(f"const {t} {n} = {n}s_[b_][p_];" for t, n in pv)
   tail = "0.125f * " if fmt == "IQ2_XXS" else ""
+  # Q4_K's minima sum: (m0 + m2) + (m1 + m3), added after the 8 lanes (ggml's movehl, movehdup, add_ss)
+  mins = " + ((accm_[r_][0] + accm_[r_][2]) + (accm_[r_][1] + accm_[r_][3]))" if fmt == "Q4_K" else ""
   return f"""({{ {_TYPES}
   const unsigned char *w_ = (const unsigned char *)@W@ + (long)({mat}) * {matrix_bytes}L + (long)(@R@ % {out}) * {nb * bb};
   {_c_tables() if fmt == 'IQ2_XXS' else ''}
   {prologue}
   for (int t_ = 0; t_ < {tiles}; t_++) {{
     const int xr_ = {xrow} + t_ * {rows};
-    v8f acc_[{rows}];
-    for (int r_ = 0; r_ < {rows}; r_++) acc_[r_] = {_splat("0.0f", "v8f", 8)};
+    v8f acc_[{rows}]; v4f accm_[{rows}]; (void)accm_;
+    for (int r_ = 0; r_ < {rows}; r_++) {{ acc_[r_] = {_splat("0.0f", "v8f", 8)}; accm_[r_] = {_splat("0.0f", "v4f", 4)}; }}
     for (int b_ = 0; b_ < {nb}; b_++) {{
       {blk} (void)blk_;
       {head}
@@ -153,7 +189,7 @@ def source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered: 
     for (int r_ = 0; r_ < {rows}; r_++) {{
       const v8f a_ = acc_[r_];
       ((float *)@OUT@)[(long)(@R@ / {out}) * {out * total} + (long)(t_ * {rows} + r_) * {out} + @R@ % {out}] =
-        {tail}(((a_[0] + a_[4]) + (a_[2] + a_[6])) + ((a_[1] + a_[5]) + (a_[3] + a_[7])));
+        {tail}(((a_[0] + a_[4]) + (a_[2] + a_[6])) + ((a_[1] + a_[5]) + (a_[3] + a_[7]))){mins};
     }}
   }}
 }});"""

@@ -244,7 +244,8 @@ def cpu_flags() -> str:
   try: return next((ln.split(":", 1)[1] for ln in pathlib.Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
   except OSError: return ""
 
-NUMERICS_TEXT = {"auto": "llama.cpp's 8-bit inputs and integer dots for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/IQ2_XXS weights, exact float elsewhere",
+NUMERICS_TEXT = {"auto": ("llama.cpp's 8-bit inputs and integer dots for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q4_K/Q6_K/IQ2_XXS weights, "
+                          "exact float elsewhere"),
                  "exact": "exact float matmuls", "llama.cpp": "llama.cpp's 8-bit matmul inputs"}
 
 class BenchError(ValueError):
