@@ -250,8 +250,12 @@ def test_kernels_declare_their_buffers():
   with settings.override(numerics="llama.cpp"): y = linear(Tensor(rng.standard_normal((1, 128)).astype(np.float32)) * 2, w)
   lin, _ = y.linear_with_vars()
   seen = {call.src[0].arg.name: get_call_outs_ins(call) for call in compile_linear(lin).src if call.src[0].op is Ops.PROGRAM}
-  assert seen["q8_0_quantize_4"] == ((0, 1), (2,))           # writes the int8 values and scales, reads x
-  assert seen["q8_0_intdot_1_1_32_128"] == ((0,), (1, 2, 3))  # writes y, reads the weight, the values and scales
+  if settings.current().caps.int_dot_vnni:  # and the lanes' start (intdot.OFFSET)
+    assert seen["q8_0_quantize_4"] == ((0, 1, 2), (3,))
+    assert seen["q8_0_intdot_1_1_32_128"] == ((0,), (1, 2, 3, 4))
+  else:
+    assert seen["q8_0_quantize_4"] == ((0, 1), (2,))           # writes the int8 values and scales, reads x
+    assert seen["q8_0_intdot_1_1_32_128"] == ((0,), (1, 2, 3))  # writes y, reads the weight, the values and scales
 
 def test_a_chunk_takes_the_tiles_only_for_a_big_weight_without_vnni(monkeypatch):
   """Without VNNI a prefill chunk's rows take the integer tiles for a weight whose float copy is at least

@@ -31,6 +31,9 @@ from tg_ds4.quant import activations, ckernel, intdot_k, settings
 # block bytes: an fp16 scale (Q4_1, Q5_1: and an fp16 minimum), Q5's 32 fifth bits, then nibbles or int8
 FORMATS = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
 MINIMUM = ("Q4_1", "Q5_1")          # value d * q + m: x rounded to Q8_1, whose block sums carry the minimum
+# with VNNI, signed weights enter `vpdpbusd` as unsigned bytes w + 128 and each lane starts from -128 times the sum of
+# its 4 values of x (`@XL@`, from _quantize): the same integers without the sign transfer (`vpsignb`) per block and row
+OFFSET = ("Q4_0", "Q5_0", "Q8_0")
 assert set(FORMATS) | set(intdot_k.FORMATS) == set(backend.INT_DOT_FORMATS)  # and the K-quants and IQ2_XXS: x rounded to Q8_K (intdot_k)
 MAX_ROWS = 8                        # rows of x per weight matrix kept in registers (8 accumulators of 8 floats)
 MAX_TILES = 16                      # a prefill chunk's rows against one weight (ungathered): up to this many tiles of
@@ -106,9 +109,15 @@ def _source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered:
   int32 lanes from one `vpdpbusd` (backend.Capabilities.int_dot_vnni), the same integers. `stride`: rows of x (and of
   the output) per matrix where the statement takes only the first `rows` of them (`linear`'s counted rows); default
   rows * tiles."""
-  dot = ("__builtin_ia32_vpdpbusd256((v8i){0,0,0,0,0,0,0,0}, (v8i)aw_, (v8i)__builtin_ia32_psignb256(xv_, wq_))" if vnni else
-         "__builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256(aw_, __builtin_ia32_psignb256(xv_, wq_)), one_)")
   bb, m = FORMATS[fmt], fmt in MINIMUM  # + its minimum times x's block sum, a float sum of its own (ggml's summs)
+  off = vnni and fmt in OFFSET
+  # the block's 8 int32 lanes: unsigned weights (Q4_1, Q5_1: as they are; OFFSET: + 128) straight into the dot, signed
+  # ones through |w| and x with w's signs
+  aw = "(v32c)wu_" if off else "wq_" if m else "aw_"
+  xs = "xv_" if off or m else "__builtin_ia32_psignb256(xv_, wq_)"
+  start = "xl_" if off else "(v8i){0,0,0,0,0,0,0,0}"
+  dot = (f"__builtin_ia32_vpdpbusd256({start}, (v8i){aw}, (v8i){xs})" if vnni else
+         f"__builtin_ia32_pmaddwd256(__builtin_ia32_pmaddubsw256({aw}, {xs}), one_)")
   mat = ("((const int *)@IDX@)[@R@ / %d]" if gathered else "@R@ / %d") % out
   total = stride or rows * tiles
   xrow = "(@R@ / %d) * %d" % (out, total) if x_per_matrix else "0"
@@ -116,12 +125,13 @@ def _source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered:
     {_UNPACK[fmt]}
     __fp16 h_; __builtin_memcpy(&h_, blk_, 2); const float dw_ = (float)h_;
     {"__fp16 mh_; __builtin_memcpy(&mh_, blk_ + 2, 2); const float mw_ = (float)mh_;" if m else "const float mw_ = 0.0f;"}
-    const v32c aw_ = __builtin_ia32_psignb256(wq_, wq_);"""
+    {"const v32u wu_ = (v32u)wq_ + (unsigned char)128;" if off else "const v32c aw_ = __builtin_ia32_psignb256(wq_, wq_); (void)aw_;"}"""
   # tiles: the weight row unpacked once into arrays that stay in L1 (a Q5 block's bits cost more than a load per tile)
-  prologue = "" if tiles == 1 else f"""v32c wq_s_[{nb}], aw_s_[{nb}]; float dw_s_[{nb}], mw_s_[{nb}];
+  wv = "const v32u wu_ = wu_s_[b_];" if off else "const v32c wq_ = wq_s_[b_], aw_ = aw_s_[b_]; (void)aw_;"
+  prologue = "" if tiles == 1 else f"""{"v32u wu_s_[%d];" % nb if off else "v32c wq_s_[%d], aw_s_[%d];" % (nb, nb)} float dw_s_[{nb}], mw_s_[{nb}];
   for (int b_ = 0; b_ < {nb}; b_++) {{ {unpack}
-    wq_s_[b_] = wq_; aw_s_[b_] = aw_; dw_s_[b_] = dw_; mw_s_[b_] = mw_; (void)mw_; }}"""
-  block = unpack if tiles == 1 else "const v32c wq_ = wq_s_[b_], aw_ = aw_s_[b_]; const float dw_ = dw_s_[b_], mw_ = mw_s_[b_]; (void)mw_;"
+    {"wu_s_[b_] = wu_;" if off else "wq_s_[b_] = wq_; aw_s_[b_] = aw_;"} dw_s_[b_] = dw_; mw_s_[b_] = mw_; (void)mw_; }}"""
+  block = unpack if tiles == 1 else f"{wv} const float dw_ = dw_s_[b_], mw_ = mw_s_[b_]; (void)mw_;"
   return f"""({{ typedef signed char v32c __attribute__((vector_size(32))); typedef unsigned char v16u __attribute__((vector_size(16)));
   typedef short v16s __attribute__((vector_size(32))); typedef int v8i __attribute__((vector_size(32)));
   typedef float v8f __attribute__((vector_size(32))); typedef unsigned char v4u __attribute__((vector_size(4)));
@@ -138,6 +148,7 @@ def _source(fmt: str, nb: int, out: int, rows: int, matrix_bytes: int, gathered:
     {block}
     for (int r_ = 0; r_ < {rows}; r_++) {{
       v32c xv_; __builtin_memcpy(&xv_, (const signed char *)@XQ@ + ((long)(xr_ + r_) * {nb} + b_) * 32, 32);
+      {"v8i xl_; __builtin_memcpy(&xl_, (const int *)@XL@ + ((long)(xr_ + r_) * %d + b_) * 8, 32);" % nb if off else ""}
       const v8i s_ = {dot};
       acc_[r_] = acc_[r_] + __builtin_convertvector(s_, v8f) * (dw_ * ((const float *)@XD@)[(long)(xr_ + r_) * {nb} + b_]);
       {"sm_[r_] += mw_ * ((const float *)@XS@)[(long)(xr_ + r_) * %d + b_];" % nb if m else ""}
@@ -251,25 +262,30 @@ _QUANTIZE = """({ const float *x_ = (const float *)@X@ + (long)@R@ * 32;
   @SUM@
 });"""
 
-def _quantize(x: Tensor, sums: bool, minus8: bool = False) -> tuple[Tensor, ...]:
+def _quantize(x: Tensor, sums: bool, minus8: bool = False, lanes: bool = False) -> tuple[Tensor, ...]:
   """x `[..., in]` -> (int8 `[..., in/32, 32]`, float32 scales `[..., in/32]`, with `sums` Q8_1's block sums `[..., in/32]`,
-  with `minus8` -8 times each block's integer sum, int32 `[..., in/32]`: the start of _source_q4_0x8's block dots), one
-  kernel (actquant's rounding as lazy tensor ops is three: the block maxima, the values, the scales)."""
+  with `minus8` -8 times each block's integer sum, int32 `[..., in/32]`: the start of _source_q4_0x8's block dots, with
+  `lanes` -128 times the sums of each 4 values, int32 `[..., in/32, 8]`: the lanes' start of OFFSET's dots), one kernel
+  (actquant's rounding as lazy tensor ops is three: the block maxima, the values, the scales)."""
   blocks, nb = prod(x.shape) // 32, x.shape[-1] // 32
   srcs = {"XQ": Tensor.empty(blocks * 32, dtype=dtypes.int8, device=x.device), "XD": Tensor.empty(blocks, dtype=dtypes.float32, device=x.device)}
   if sums: srcs["XS"] = Tensor.empty(blocks, dtype=dtypes.float32, device=x.device)
   if minus8: srcs["XI"] = Tensor.empty(blocks, dtype=dtypes.int32, device=x.device)
+  if lanes: srcs["XL"] = Tensor.empty(blocks * 8, dtype=dtypes.int32, device=x.device)
   srcs["X"] = x.float().contiguous().flatten()
   src = _QUANTIZE.replace("@SUM@", ("((float *)@XS@)[@R@] = (float)(__fp16)(amax_ / 127.0f * (float)sum_);" if sums else "") +
-                                   ("((int *)@XI@)[@R@] = -8 * sum_;" if minus8 else ""))
+                                   ("((int *)@XI@)[@R@] = -8 * sum_;" if minus8 else "") +
+                                   ("""for (int l_ = 0; l_ < 8; l_++) { const signed char *q_ = (const signed char *)@XQ@ + (long)@R@ * 32 + 4 * l_;
+    ((int *)@XL@)[(long)@R@ * 8 + l_] = -128 * (q_[0] + q_[1] + q_[2] + q_[3]); }""" if lanes else ""))
   body = ckernel.format_string(src, [*srcs, "R"])
   def kernel(*params: UOp) -> UOp:
     r = UOp.range(blocks, 0)
     est = Estimates(ops=3 * blocks * 32, lds=blocks * 32 * 9 + 8 * blocks, mem=blocks * 32 * 5 + 8 * blocks)
     info = KernelInfo(name=f"q8_{int(sums)}_quantize_{blocks}", estimates=est)
-    return ckernel.statement_kernel(body, params, {0: r * 32, **{i: r for i in range(1, len(srcs) - 1)}}, r, (r,), info)
+    written = {i: r * 32 if n == "XQ" else r * 8 if n == "XL" else r for i, n in enumerate(srcs) if n != "X"}
+    return ckernel.statement_kernel(body, params, written, r, (r,), info)
   *outs, _ = Tensor.custom_kernel(*srcs.values(), fxn=kernel)
-  return (outs[0].reshape(*x.shape[:-1], nb, 32), *(o.reshape(*x.shape[:-1], nb) for o in outs[1:]))
+  return tuple(o.reshape(*x.shape[:-1], nb, *{"XQ": (32,), "XL": (8,)}.get(n, ())) for n, o in zip(srcs, outs))
 
 def linear(x: Tensor, w, live: Tensor | None = None) -> Tensor:
   """`x @ w.T` for `applies(x, w)`, float32: w `[out, in]` and x `[..., in]` (every leading axis rows) -> `[..., out]`;
@@ -286,7 +302,9 @@ def linear(x: Tensor, w, live: Tensor | None = None) -> Tensor:
   R = x.shape[-2]
   x8 = repacked(w)                                                           # ggml's repacked Q4_0 (_source_q4_0x8)
   # [..., R, nb, block] int8; [..., R, nb] scales (, sums: Q8_1's [..., R, nb], Q8_K's [..., R, nb, 16])
-  xq, *xs = intdot_k.quantize(x) if q8k else _quantize(x, fmt in MINIMUM, x8)
+  vnni = settings.current(str(w.device)).caps.int_dot_vnni
+  lanes = vnni and fmt in OFFSET and not x8
+  xq, *xs = intdot_k.quantize(x) if q8k else _quantize(x, fmt in MINIMUM, x8, lanes)
   if q8k and fmt not in intdot_k.BSUMS: xs = xs[:1]
   x_per_matrix = x.ndim > 2 and prod(x.shape[:-2]) > 1
   if x_per_matrix and tuple(x.shape[:-2]) != tuple(lead):                  # x broadcast over the matrices: copied out
@@ -299,13 +317,12 @@ def linear(x: Tensor, w, live: Tensor | None = None) -> Tensor:
   first = _first_row(w)                                                      # a block of rows read in place
   gathered = bool(idx) and first is None
   srcs = {"OUT": Tensor.empty(L * R * out, dtype=dtypes.float32, device=w.device), "W": base.flatten(), "XQ": xq.flatten(), "XD": xs[0].flatten()}
-  if len(xs) > 1: srcs["XB" if q8k else "XI" if x8 else "XS"] = xs[1].flatten()
+  if len(xs) > 1: srcs["XB" if q8k else "XI" if x8 else "XL" if lanes else "XS"] = xs[1].flatten()
   if gathered: srcs["IDX"] = idx[0].cast(dtypes.int32).contiguous().flatten()
   if live is not None: srcs["LIVE"] = live.cast(dtypes.int32).contiguous().flatten()
   names = [*srcs, "R"]
   matrix_bytes = out * nb * block_bytes
   rows, tiles = (R, 1) if R <= MAX_ROWS else (MAX_ROWS, R // MAX_ROWS)    # a chunk: tiles of MAX_ROWS rows
-  vnni = settings.current(str(w.device)).caps.int_dot_vnni
   source = (functools.partial(intdot_k.source, fmt) if q8k else functools.partial(_source_q4_0x8, interleaved=interleaved) if x8 else
             functools.partial(_source, fmt))
   per = 8 if x8 else 1                                                       # output rows per statement
