@@ -423,3 +423,56 @@ def test_gpu_broadcast_streams_compute_their_gemv_once():
   assert gpu.broadcast_rows(plain) is plain
   want = np.stack([mix[k] * (a[0, 0] @ w.T) + sum(mix[4 + 4 * j + k] * x[0, 0, j] for j in range(4)) for k in range(4)])
   assert np.abs(make().numpy()[0, 0] - want).max() <= 1e-5 * np.abs(want).max()
+
+def _random_blocks(name: str, rows: int, cols: int, rng) -> QTensor:
+  """Random packed blocks with small finite fp16 scales (and minima) in the first bytes: any other bytes are valid."""
+  qt = QTYPE_BY_NAME[name]
+  raw = rng.integers(0, 256, (rows, cols // qt.block, qt.nbytes), dtype=np.uint8)
+  head = 4 if name in ("Q4_1", "Q5_1") else 2
+  raw[..., :head] = (rng.random((rows, cols // qt.block, head // 2)) * 0.02 - 0.01).astype(np.float16).view(np.uint8)
+  return QTensor(Tensor(raw).realize(), qt, (rows, cols))
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q5_0", "Q4_1"])  # the per-block (affine) form, and the per-value form
+def test_a_gemv_row_sums_as_alone_in_a_batch(name):
+  """Exact float math: a row of x gives bitwise the same outputs in a GEMV of 1, 2, 3 or 4 rows (a batched decode
+  step's), so a request's answer does not depend on what runs beside it. Two ways it did not: Q4_0 and Q8_0 took the
+  per-block form for one row only; and a batch's rows share each unpacked weight value `d * q`, which one row's kernel
+  inlined into `x * (d * q)`, rendered `x * d * q` by tinygrad (`(x * d) * q` in C), an ulp off."""
+  from tg_ds4.quant import settings
+  rng = np.random.default_rng(7)
+  w, x = _random_blocks(name, 256, 1024, rng), rng.standard_normal((4, 1, 1024)).astype(np.float32)
+  with settings.override(numerics="exact"):
+    one = linear(Tensor(x[:1]), w).numpy()
+    for rows in (2, 3, 4):
+      np.testing.assert_array_equal(linear(Tensor(x[:rows]), w).numpy()[:1], one, err_msg=f"{rows} rows")
+
+def test_float_ops_render_in_the_graphs_order():
+  """`a * (b * c)` and `a + (b + c)` on floats keep their parentheses in the C source (tinygrad's renderer dropped them,
+  and C then computed `(a * b) * c`); integer index arithmetic is still flattened (an unrolled reduce's accumulator
+  sum too: test_gemv_unrolls_the_nibble_axis_with_the_same_sums)."""
+  from tinygrad import Device
+  ren = Device["CPU"].renderer
+  a, b, c = (UOp.variable(n, 0, 10, dtypes.float32) for n in "abc")
+  i, j, k = (UOp.variable(n, 0, 10) for n in "ijk")
+  names = {u: u.arg.name for u in (a, b, c, i, j, k)}
+  class Ctx:
+    code_for_op = ren.code_for_op
+    def __getitem__(self, u): return names[u] if u in names else ren.string_rewrite.rewrite(u, ctx=self)
+  ctx = Ctx()
+  assert ctx[a * (b * c)] == "(a*(b*c))" and ctx[(a * b) * c] == "(a*b*c)" and ctx[a + (b + c)] == "(a+(b+c))"
+  assert ctx[i * (j * k)] == "(i*j*k)"
+
+@pytest.mark.parametrize("name", ["Q4_0"])
+def test_a_batched_steps_embeddings_norm_as_alone(name):
+  """A batched step's rows: the token embeddings (nn/layers.py's Embedding over a list of token variables) and the norm
+  after them give a row bitwise what it gets in a batch of one (read through the rows' concatenation, a 2048-wide
+  norm summed a row's squares in another order for 4 rows than for 1)."""
+  from tg_ds4.nn.layers import Embedding, RMSNorm
+  rng, qt = np.random.default_rng(3), QTYPE_BY_NAME[name]
+  raw = rng.integers(0, 256, (64, 2048 // qt.block, qt.nbytes), dtype=np.uint8)
+  raw[..., :2] = (rng.random((64, 2048 // qt.block, 1)) * 0.02).astype(np.float16).view(np.uint8)
+  emb, norm = Embedding(64, 2048), RMSNorm(2048, 1e-6)
+  emb.weight, norm.weight = QTensor(Tensor(raw).realize(), qt, (64, 2048)), Tensor(rng.random(2048).astype(np.float32))
+  rows = lambda B: norm(emb([UOp.variable(f"t{i}", 0, 63).bind(11 + i) for i in range(B)])).numpy()
+  one = rows(1)
+  for B in (2, 4): np.testing.assert_array_equal(rows(B)[:1], one, err_msg=f"{B} rows")

@@ -38,6 +38,7 @@ try:
   from tinygrad.uop.upat import upat_compile  # noqa: F401  (backend/store_hazard.py)
   from tinygrad.dtype import AddrSpace  # noqa: F401  (backend/emulator.py)
   from tinygrad.helpers import is_image_shape  # noqa: F401  (backend/emulator.py)
+  from tinygrad.helpers import strip_parens  # noqa: F401  (backend/cpu/kernel_opts.py's float rendering)
   from tinygrad.runtime.ops_python import PythonProgram  # noqa: F401  (backend/emulator.py)
   from tinygrad.uop.ops import GroupOp  # noqa: F401  (backend/emulator.py)
   _CPU_IMPORT_ERROR: str | None = None

@@ -55,6 +55,7 @@ def _hooks() -> tuple[str, ...] | None:
   for now, stock, ours in ((compat.heuristic.hand_coded_optimizations, kernel_opts._hand_coded, kernel_opts.cpu_heuristic),
                            (compat.codegen.memory_coalescing, kernel_opts._tinygrad_coalescing, kernel_opts._memory_coalescing),
                            (compat.ClangRenderer.extra_matcher, kernel_opts._clang_extra, kernel_opts.CLANG_EXTRA),
+                           (compat.ClangRenderer.string_rewrite, kernel_opts._clang_strings, kernel_opts.CLANG_STRINGS),
                            (compat.ClangCompiler.__init__, compiler._clang_init, compiler._init)):
     if now is not stock and now is not ours: return None
     state.append("ours" if now is ours else "tinygrad")

@@ -134,7 +134,7 @@ class Transformer:
     A batched step: one token per row as bound variables, and `start_pos` the rows' slots and positions (nn/cache_rows.py's
     Rows) -> `[B, 1, vocab]`."""
     with self.settings.active():
-      x = Tensor.cat(*[self.token_embd(t) for t in tokens]) if isinstance(tokens, list) else self.token_embd(tokens)
+      x = self.token_embd(tokens)
       if self.cfg.embed_scale != 1.0: x = x * self.cfg.embed_scale
       if self.cfg.pos_embd: x = x + Rows.of(start_pos).table(self.pos_rows, x.shape[1])
       if self.cfg.per_layer_dim and isinstance(tokens, list): pl = Tensor.cat(*[self.per_layer_inputs(t, x[b:b + 1]) for b, t in enumerate(tokens)])

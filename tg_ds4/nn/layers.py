@@ -109,9 +109,13 @@ class LayerNorm:
 
 class Embedding:
   def __init__(self, n_vocab: int, dim: int): self.weight: Weight | Param = Param(n_vocab, dim)
-  def __call__(self, tokens: Tensor | UOp) -> Tensor:
+  def __call__(self, tokens: Tensor | UOp | list[UOp]) -> Tensor:
     """tokens `[B, T]` -> `[B, T, dim]`. A single token given as a bound symbolic variable becomes a slice of one row,
-    so a decode step reads one row; a token tensor is a one-hot gather that scans the table (fine for prefill chunks)."""
+    so a decode step reads one row; a token tensor is a one-hot gather that scans the table (fine for prefill chunks).
+    A batched step's tokens (a list of variables, one per row) -> `[B, 1, dim]`, stored: read through the
+    concatenation of the rows' slices, the first norm's kernel took other shapes for 4 rows than for 1 and summed a
+    row's squares in another order, so a row's answer depended on the rows beside it."""
+    if isinstance(tokens, list): return Tensor.cat(*[self(t) for t in tokens]).contiguous()
     rows = self.weight[tokens:tokens + 1] if isinstance(tokens, UOp) else self.weight[tokens]
     x = rows.dequant(dtypes.float32) if isinstance(rows, QTensor) else rows.float()
     return x.reshape(1, 1, -1) if isinstance(tokens, UOp) else x

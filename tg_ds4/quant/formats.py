@@ -528,7 +528,7 @@ def linear(x: Tensor, w: Weight, bias: Weight | None = None, dtype: DType | None
         li = p.ndim - k + 1 + lay.order.index(lay.lane)
         p = p.reshape(*p.shape[:li], n // wd, wd, *p.shape[li + 1:])
         return p.permute(*(i for i in range(p.ndim) if i != li + 1), li + 1)     # the lanes last, the rest in load order
-      if qt.affine is not None and prod(lay.shape) > wd and settings.current(w.device).caps.affine_gemv and affine and rows == 1:
+      if qt.affine is not None and prod(lay.shape) > wd and settings.current(w.device).caps.affine_gemv and affine:
         # per block and lane: d * (sum x q + c * sum x), the sums over the block's values that share the lane; c * sum x
         # once per x (a small kernel of its own), not per output row
         d, q, c = w.affine(wd, dtype)

@@ -22,7 +22,7 @@ tinygrad coalesces float accesses into at most 4 floats, from which clang builds
 
 Upcasts never change the order in which an output is summed, and an unrolled reduce is rendered as one left-to-right
 accumulator chain (`acc + a + b`), so results are bitwise the same. Kernels tuned by BEAM are not touched."""
-import collections, functools, logging, pathlib, platform
+import collections, functools, logging, os, pathlib, platform
 from dataclasses import dataclass
 
 from tinygrad import dtypes
@@ -30,8 +30,8 @@ from tinygrad import dtypes
 from tg_ds4.backend.cpu import compiler
 from tg_ds4.backend.gpu import kernel_opts as gpu_kernel_opts
 from tg_ds4.backend.gpu.kernel_opts import NESTED, weight_operand
-from tg_ds4.backend.compat import AxisType, ClangRenderer, KernelOptError, Opt, OptOps, Ops, PatternMatcher, Scheduler, UOp, UPat, codegen, \
-  graph_rewrite, heuristic, prod, remove_all_tags, worker
+from tg_ds4.backend.compat import AddrSpace, AxisType, ClangRenderer, KernelOptError, Opt, OptOps, Ops, PatternMatcher, Scheduler, UOp, UPat, \
+  codegen, graph_rewrite, heuristic, prod, remove_all_tags, strip_parens, worker
 
 LANES = 16
 # a packed format whose lane axis is shorter than LANES (IQ2_XXS: a grid row of 8) still gains from dropping the row
@@ -77,6 +77,7 @@ UNPACK_ROWS = 16
 _hand_coded, _init_tinygrad_worker = heuristic.hand_coded_optimizations, worker._init_worker
 _tinygrad_coalescing = codegen.memory_coalescing
 _clang_extra = ClangRenderer.extra_matcher
+_clang_strings = ClangRenderer.string_rewrite
 
 def _ints(k: Scheduler, axes) -> bool: return all(isinstance(k.full_shape[a], int) for a in axes)
 
@@ -305,6 +306,28 @@ def _reduce_terms_last(x: UOp) -> UOp | None:
 _ADDRESSES = PatternMatcher([(UPat(Ops.ADD, name="x"), _reduce_terms_last)])
 CLANG_EXTRA = _clang_extra + _ADDRESSES  # one object, so that backend/programs.py can tell it is ours
 
+def _accumulator(u: UOp) -> bool:
+  """Whether `u` loads a reduce's accumulator (a register buffer)."""
+  if u.op is not Ops.LOAD or u.src[0].op is not Ops.INDEX: return False
+  b = u.src[0].src[0]
+  while b.op is Ops.AFTER: b = b.src[0]
+  return b.op is Ops.BUFFER and getattr(b.arg, "addrspace", None) is AddrSpace.REG
+
+def _float_in_order(ctx, x: UOp) -> str | None:
+  """A float add or multiply rendered as the graph orders it. tinygrad's C renderer drops the parentheses of an operand
+  that is the same associative op, on either side: `x * (d * q)`, with `d * q` inlined, became `x * d * q`, which C
+  evaluates as `(x * d) * q`. Whether `d * q` is inlined depends on how many uses it has: one row's GEMV inlined a
+  weight value that a batched step's rows share, so the same row's products differed by an ulp batched and alone. Only
+  the left operand's parentheses go, so C's left-to-right evaluation is the graph's; except where an unrolled reduce
+  adds its values to its accumulator, `acc + (a + b)`, rendered `acc + a + b` as tinygrad does: the order of the same
+  reduce looped, so the heuristic's unroll never changes a sum."""
+  if not dtypes.is_float(x.dtype) or (x.op is Ops.ADD and _accumulator(x.src[0])): return None
+  a, b = (ctx[v] for v in x.src)
+  return ctx.code_for_op[x.op](strip_parens(a) if x.src[0].op is x.op else a, b, x.dtype)
+
+FLOAT_IN_ORDER = os.environ.get("TG_DS4_FLOAT_IN_ORDER", "1") != "0"
+CLANG_STRINGS = PatternMatcher([(UPat((Ops.ADD, Ops.MUL), name="x"), _float_in_order)]) + _clang_strings
+
 def _memory_coalescing(sink: UOp, ren) -> UOp:
   out = _tinygrad_coalescing(sink, ren)
   return _wide_access(out) if getattr(ren, "has_threads", False) and CPU.floats == 8 else out
@@ -321,3 +344,4 @@ def install():
   codegen.memory_coalescing = _memory_coalescing
   worker._init_worker = _init_worker
   ClangRenderer.extra_matcher = CLANG_EXTRA
+  if FLOAT_IN_ORDER: ClangRenderer.string_rewrite = CLANG_STRINGS
