@@ -58,16 +58,16 @@ def test_applies_only_where_the_vectors_tile_a_float32_cache():
   assert not applies(Layout.latent(580, 512), 16, cache, (8, 32)) and not applies(Layout.kv(3, 64, 64), 8, cache, (8, 32))
 
 def _sink_reference(q, rows, raw, chosen, sinks, pos, keys: SinkKeys) -> tuple[np.ndarray, float]:
-  """V4's attention in float64 over exactly the keys each query sees (models/deepseek4.py's rules), the sink a
-  denominator term."""
+  """V4's attention in float64 over exactly the keys each query sees (models/deepseek4.py's rules) in one cache slot's
+  rows, ring and choice, the sink a denominator term."""
   T, H, D = q.shape
   out, big, last = np.zeros((T, H, D)), 1.0, pos + T - 1
   n = pos // keys.ratio + keys.candidates if keys.ratio else 0
   for t in range(T):
     qpos = pos + t
     held = [last - ((last % keys.slots + keys.slots - s) % keys.slots) for s in range(keys.slots)]
-    vis = [rows[0, j] for j in range(n) if (j + 1) * keys.ratio <= qpos + 1 and (not keys.selected or chosen[t, j])]
-    vis += [raw[0, s, :D] for s in range(keys.slots) if 0 <= held[s] <= qpos and held[s] > qpos - keys.window]
+    vis = [rows[j] for j in range(n) if (j + 1) * keys.ratio <= qpos + 1 and (not keys.selected or chosen[t, j])]
+    vis += [raw[s, :D] for s in range(keys.slots) if 0 <= held[s] <= qpos and held[s] > qpos - keys.window]
     k = np.array(vis, np.float64).reshape(-1, D)
     for h in range(H):
       s = k @ q[t, h].astype(np.float64) * np.float32(SCALE)
@@ -80,18 +80,20 @@ def _sink_reference(q, rows, raw, chosen, sinks, pos, keys: SinkKeys) -> tuple[n
 @pytest.mark.parametrize("ratio,T", [(4, 1), (4, 5), (0, 3), (16, 2)])
 def test_sink_attention_is_softmax_over_the_keys_each_query_sees(unit, ratio, T):
   """Compressed rows past the count, raw slots outside the window and unchosen rows hold values that would move the
-  result; positions before the ring wraps, across it, and with whole blocks of compressed rows hidden."""
+  result; positions before the ring wraps, across it, and with whole blocks of compressed rows hidden; each cache slot
+  (a symbolic one) reads its own rows, ring and choice."""
   rng, D, H, max_rows = np.random.default_rng(ratio * 10 + T), 32, 16, 80
   keys = SinkKeys(ratio, (T - 1) // ratio + 2 if ratio and T > 1 else 1 if ratio else 0, 24, D + 8, 17, ratio == 4)
-  rows_np, raw_np = rng.standard_normal((1, max_rows, D)).astype(np.float32), rng.standard_normal((1, 24, D + 8)).astype(np.float32)
-  chosen_np = (rng.random((8, max_rows)) < 0.3).astype(np.uint8)
+  rows_np, raw_np = rng.standard_normal((3, max_rows, D)).astype(np.float32), rng.standard_normal((3, 24, D + 8)).astype(np.float32)
+  chosen_np = (rng.random((3, 8, max_rows)) < 0.3).astype(np.uint8)
   sinks_np = rng.standard_normal(H).astype(np.float32)
   rows, raw, chosen, sinks = (Tensor(a).realize() for a in (rows_np, raw_np, chosen_np, sinks_np))
-  pos_var = UOp.variable("start_pos", 0, 4 * (max_rows - 4))
-  step = TinyJit(lambda q, p: attention_sinks(q, raw, rows if ratio else None, chosen if ratio == 4 else None, sinks, p, keys, SCALE, unit).realize())
+  pos_var, slot_var = UOp.variable("start_pos", 0, 4 * (max_rows - 4)), UOp.variable("slot", 0, 2)
+  step = TinyJit(lambda q, p, s: attention_sinks(q, raw, rows if ratio else None, chosen if ratio == 4 else None, sinks, s, p, keys, SCALE,
+                                                 unit).realize())
   for peak in (1.0, 30.0):
     q_np = (rng.standard_normal((T, H, D)) * peak).astype(np.float32)
     q = Tensor(q_np).realize()
-    for pos in [0, 7, 40, 170, 255]:
-      ref, tol = _sink_reference(q_np, rows_np, raw_np, chosen_np, sinks_np, pos, keys)
-      assert np.abs(step(q, pos_var.bind(pos)).numpy() - ref).max() <= tol, (peak, pos)
+    for pos, slot in [(0, 0), (7, 2), (40, 1), (170, 0), (255, 2)]:
+      ref, tol = _sink_reference(q_np, rows_np[slot], raw_np[slot], chosen_np[slot], sinks_np, pos, keys)
+      assert np.abs(step(q, pos_var.bind(pos), slot_var.bind(slot)).numpy() - ref).max() <= tol, (peak, pos, slot)

@@ -4,7 +4,7 @@ import itertools, pathlib, socket, subprocess, sys
 import pytest
 
 FIX = pathlib.Path(__file__).parent / "fixtures"
-DS3, DS4 = str(FIX / "deepseek2/ds3/ds3-Q4_0.gguf"), str(FIX / "deepseek4/flash/flash-IQ2_XXS.gguf")
+DS3 = str(FIX / "deepseek2/ds3/ds3-Q4_0.gguf")
 
 def tg(*args, timeout=600):
   return subprocess.run([sys.executable, "-m", "tg_ds4", *args], capture_output=True, text=True, timeout=timeout)
@@ -24,8 +24,6 @@ def tg(*args, timeout=600):
   (["generate", "-m", DS3, "-p", "hi", "--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
   (["generate", "-m", DS3, "-p", "hi", "--top-p", "1.5"], "top_p must be in (0, 1], got 1.5"),
   (["generate", "-m", str(FIX), "-p", "hi"], "is a directory without config.json, expected a .gguf file or a Hugging Face checkpoint folder"),
-  (["serve", "-m", DS4, "--kv-cache-dir", "unused-kv-dir", "--port", "1"], "is a deepseek4 model, whose caches"),
-  (["serve", "-m", DS4, "--parallel", "2", "--port", "1"], "is a deepseek4 model, which runs one sequence at a time"),
   (["serve", "-m", DS3, "--parallel", "9", "--port", "1"], "--parallel must be in [1, 8]"),
   (["serve", "-m", DS3, "--port", "99999"], "--port 99999: a TCP port is 0..65535"),
   (["serve", "-m", DS3, "--host", "no-such-host.invalid", "--port", "0"], "--host no-such-host.invalid --port 0: cannot listen there"),

@@ -127,29 +127,3 @@ def test_mtp_block_is_ignored(tmp_path):
   w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
   m = Runner.load(path, max_ctx=64).model
   assert m.cfg.n_layer == 3 and len(m.blk) == 3 and m.cfg.compress_ratios == (0, 4, 128)
-
-def test_serve_streams_a_chat_from_a_v4_file():
-  """`serve`'s app on the V4 fixture (one sequence at a time: its caches have no slots), asked through the official
-  openai client with streaming: the greedy text equals the engine's own greedy continuation of the rendered prompt."""
-  import asyncio
-  import openai
-  try: import httpx2 as httpx  # what the current SDKs are built on (tests/test_server.py)
-  except ImportError: import httpx
-  from tg_ds4.server.app import build_app, load
-  from tg_ds4.server.guard import Allowed
-  # the context and numerics of test_engine_path's runner, whose captured steps (earlier in this module) the step cache holds
-  served = load(str(ROOT / MAN["ggufs"]["MXFP4"]["file"]), max_context=len(IDS) + N_GEN, warmup=False, numerics="exact")
-  msgs = [{"role": "user", "content": "Name three rivers"}]
-  ids = served.render(msgs, None)
-  want = list(served.worker.runner.generate(ids, 6))
-  async def ask():
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(served, allowed=Allowed("127.0.0.1", frozenset({"test"})))),
-                                 base_url="http://test") as http:
-      oai = openai.AsyncOpenAI(base_url="http://test/v1", api_key="none", http_client=http, max_retries=0)
-      chunks = [c async for c in await oai.chat.completions.create(model="deepseek-v4", messages=msgs, max_tokens=6, temperature=0,
-                                                                    stream=True, stream_options={"include_usage": True})]
-      return chunks, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-  chunks, text = asyncio.run(ask())
-  n = chunks[-1].usage.completion_tokens - any(c.choices and c.choices[0].finish_reason == "stop" for c in chunks)
-  assert served.model_id == "flash-MXFP4" and chunks[0].model == "flash-MXFP4"
-  assert chunks[-1].usage.prompt_tokens == len(ids) and n > 0 and text == served.tok.decode(want[:n]), (text, want)

@@ -27,7 +27,7 @@ def run(name: str) -> dict:
   K = r.chunked(len(ids))
   assert m["index_topk"] < K < len(ids)  # chunks past the top-k, then per-token steps
   return {"prefill": r.prefill(seq, chunk=len(seq)).numpy()[0], "engine": r.engine_logits(seq, prefill_tokens=K), "K": K,
-          "greedy": list(r.generate(ids, len(gen))), "cfg": r.model.cfg, "caches": [n for n, _, _ in r.model.cache_tensors()]}
+          "greedy": list(r.generate(ids, len(gen))), "cfg": r.model.cfg, "caches": [c[0] for c in r.model.cache_tensors()]}
 
 # ds32k's F32 file (11 MB) is not committed: its K-quant file is held to its twin and to llama.cpp below
 @pytest.mark.parametrize("name", ["ds32", "glmdsa"])

@@ -53,7 +53,7 @@ def test_gemma4_config_from_the_file():
   cfg = r.model.cfg
   assert (cfg.head_dim, cfg.head_dim_swa, cfg.n_kv_heads, cfg.ff_dims) == (32, 16, (2, 2, 1, 2, 2, 1), (96, 96, 96, 192, 192, 192))
   assert [cfg.kv_source(i) for i in range(6)] == [None, None, None, 1, 1, 2] and cfg.v_from_k == (False, False, True, False, False, False)
-  assert [n for n, _, _ in r.model.cache_tensors()] == [f"blk.{i}.attn.cache" for i in range(3)]
+  assert [c[0] for c in r.model.cache_tensors()] == [f"blk.{i}.attn.cache" for i in range(3)]
   assert cfg.kq_scale == 1.0 and cfg.per_layer_dim == 8 and cfg.layer_output_scale
 
 def _rewrite(dst: pathlib.Path, src: pathlib.Path, kv: dict, extra: dict[str, np.ndarray] | None = None) -> None:

@@ -181,9 +181,9 @@ class FakeRunner:
   """What Worker._reuse needs of a Runner; `fits=False` refuses rows the way Runner.load_kv_rows does (after emptying
   the cache)."""
   def __init__(self, cached=(), fits=True): self.cached, self.fits = list(cached), fits
-  def reusable(self, prompt):
+  def reusable(self, prompt, cached=None):
     n = 0
-    for a, b in zip(prompt, self.cached):
+    for a, b in zip(prompt, self.cached if cached is None else cached):
       if a != b: break
       n += 1
     return min(n, max(len(prompt) - 1, 0))

@@ -220,20 +220,10 @@ def cmd_serve(args) -> int:
   if min(args.max_queue, args.max_body_bytes, args.max_json_depth, args.max_connections, args.max_parsing) < 1:
     raise UsageError("--max-queue, --max-body-bytes, --max-json-depth, --max-connections, --max-parsing: >= 1")
   if not (args.head_timeout > 0 and args.body_timeout > 0): raise UsageError("--head-timeout, --body-timeout: > 0 seconds")
-  from tg_ds4.models.families import ARCHS
   from tg_ds4.runtime.runner import BATCHES
   if args.parallel is not None and not 1 <= args.parallel <= BATCHES[-1]: raise UsageError(f"--parallel must be in [1, {BATCHES[-1]}]")
-  gf = _open(args)
-  if (a := ARCHS.get(gf.arch)) is not None and not a.model.SLOTS:
-    if args.parallel not in (None, 1):
-      raise UsageError(f"--parallel {args.parallel}: {gf.path.name} is a {gf.arch} model, which runs one sequence at a time "
-                       f"(its ring caches have no slots yet); serve it with --parallel 1")
-    args.parallel = 1
+  _open(args)  # a missing or unreadable model file is reported before anything binds or loads
   args.parallel = args.parallel or DEFAULT_PARALLEL
-  if args.kv_cache_dir:
-    if (a := ARCHS.get(gf.arch)) is not None and not a.model.PREFIX_ROWS:
-      raise UsageError(f"--kv-cache-dir: {gf.path.name} is a {gf.arch} model, whose caches (rings and compressor state) cannot be saved "
-                       f"as a prefix's rows; serve it without --kv-cache-dir (prefixes are still reused in memory)")
   try: sock = bind(args.host, args.port)  # before the model loads: a bad address or a taken port is reported at once
   except BindError as e: raise UsageError(str(e)) from None
   return serve(args, sock)
@@ -379,8 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--max-context", type=int, default=0, help="KV cache length (default 4096, or the model's context if smaller; "
                                                                "past the model's: a warning)")
   s.add_argument("--parallel", type=int, default=None, metavar="N",
-                 help=f"requests generated at once, each in its own cache slot (default {DEFAULT_PARALLEL}; 1 for deepseek4, which has no "
-                      f"slots yet); more wait in the queue")
+                 help=f"requests generated at once, each in its own cache slot (default {DEFAULT_PARALLEL}); more wait in the queue")
   s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before new ones get 429 (default 64)")
   s.add_argument("--kv-cache-dir", metavar="DIR", help="persist prompt KV caches here and reuse them across restarts")
   s.add_argument("--kv-cache-size", default="2G", help="size cap of --kv-cache-dir, least recently used files evicted (default 2G)")

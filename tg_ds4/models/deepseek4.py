@@ -36,6 +36,7 @@ MTP tensors (`nextn_predict_layers`) are ignored."""
 from __future__ import annotations
 
 import functools, math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +46,7 @@ from tg_ds4.backend.compat import DType, function
 from tg_ds4.config import BaseConfig, Gating, Meta, MoEConfig, RopeConfig, RopeType
 from tg_ds4.io.gguf import GGUFError, GGUFFile
 from tg_ds4.nn import attention_kernel
+from tg_ds4.nn.cache_rows import Rows
 from tg_ds4.nn.layers import Embedding, Linear, Param, Params, RMSNorm, load_weights, matmul, matmul_input
 from tg_ds4.nn.moe import MoE
 from tg_ds4.nn.rope import apply_rope, rope_table
@@ -120,25 +122,28 @@ class Tables:
 
 def rms0(x: Tensor, eps: float) -> Tensor: return x * (x.square().mean(-1, keepdim=True) + eps).rsqrt()  # RMS norm without weight
 
-def rope_tail(x: Tensor, table: Tensor, start_pos: int | UOp) -> Tensor:
-  """RoPE on the last table-width dims of `x` `[B, T, ..., D]` at positions start_pos.. (the rest passes through)."""
+def rope_tail(x: Tensor, table: Tensor, start_pos: int | UOp | Rows) -> Tensor:
+  """RoPE on the last table-width dims of `x` `[B, T, ..., D]` at positions start_pos.. (per row: nn/cache_rows.py's
+  Rows; the rest passes through)."""
   r = table.shape[-2] * 2
   return x[..., :-r].cat(apply_rope(x[..., -r:], table, start_pos, RopeType.NORM), dim=-1)
 
-def ring_write(ring: Tensor, new: Tensor, start_pos: int | UOp) -> Tensor:
-  """Store `new` `[1, T, F]` (positions start_pos..) into the ring `[1, S, F]` (position p in slot p % S); return the
-  ring ordered after the store. One row is a one-slot store; a chunk rewrites the whole ring, each slot taking its new
-  row if the chunk covers it (a static shape whatever the wrap point)."""
+def ring_write(ring: Tensor, new: Tensor, rows: Rows) -> Tensor:
+  """Store row b of `new` `[B, T, F]` (positions pos_b..) into the ring of cache slot slot_b of `ring` `[slots, S, F]`
+  (position p in ring slot p % S); return all the rings, ordered after the stores. A token is a one-slot store; a
+  chunk (one row) rewrites its whole ring, each ring slot taking its new row if the chunk covers it (a static shape
+  whatever the wrap point)."""
   S, T = ring.shape[1], new.shape[1]
   if T == 1:
-    slot = start_pos % S
-    return Tensor(ring.uop.after(ring[:, slot:slot + 1].uop.store(new.cast(ring.dtype).uop)))
-  assert T <= S, f"chunk of {T} rows into a ring of {S}"
+    one = lambda b: (new if len(rows) == 1 else new[b:b + 1]).cast(ring.dtype)
+    return Tensor(ring.uop.after(*[ring[s:s + 1, p % S:p % S + 1].uop.store(one(b).uop) for b, (s, p) in enumerate(rows)]))
+  assert T <= S and len(rows) == 1, f"a chunk of {T} rows into a ring of {S} is one sequence's"
+  (slot, start_pos), = rows
   j = (Tensor.arange(S) + (S - start_pos % S)) % S                               # the chunk row each slot would take
   hit = j.reshape(S, 1) == Tensor.arange(T).reshape(1, T)                         # [S, T]
-  rows = hit.unsqueeze(-1).where(new[0].unsqueeze(0), 0.0).sum(1)                 # [S, F]
-  full = (j < T).reshape(1, S, 1).where(rows.unsqueeze(0), ring).cast(ring.dtype)
-  return Tensor(ring.uop.after(ring[:, 0:S].uop.store(full.uop)))
+  taken = hit.unsqueeze(-1).where(new[0].unsqueeze(0), 0.0).sum(1)                # [S, F]
+  full = (j < T).reshape(1, S, 1).where(taken.unsqueeze(0), ring[slot:slot + 1]).cast(ring.dtype)
+  return Tensor(ring.uop.after(ring[slot:slot + 1, 0:S].uop.store(full.uop)))
 
 def ring_positions(S: int, last: int | UOp) -> Tensor:
   """Position held by each of the S slots of a ring whose last write was position `last` (negative: never written)."""
@@ -236,41 +241,42 @@ class Compressor:
 
   def n_cand(self, T: int) -> int: return 1 if T == 1 else (T - 1) // self.R + 2  # windows a chunk of T tokens touches
 
-  def init_cache(self, max_ctx: int, chunk: int, device: str, dtype: DType):
+  def init_cache(self, max_ctx: int, chunk: int, device: str, dtype: DType, slots: int = 1):
     R, F = self.R, self.coff * self.D
     S = R * (self.coff + -(-chunk // R))   # previous window (overlap), the pending one, and one chunk of slack
     # the state ring (pending projections, a fixed few rows) stays float32: its scores are softmax logits
-    self.state = Tensor.zeros(1, S, F, device=device).cat(Tensor.full((1, S, F), NEG, device=device), dim=-1).contiguous().realize()
-    self.rows = Tensor.zeros(1, max_ctx // R + self.n_cand(chunk) + 1, self.D, dtype=dtype, device=device).contiguous().realize()
+    self.state = Tensor.zeros(slots, S, F, device=device).cat(Tensor.full((slots, S, F), NEG, device=device), dim=-1).contiguous().realize()
+    self.rows = Tensor.zeros(slots, max_ctx // R + self.n_cand(chunk) + 1, self.D, dtype=dtype, device=device).contiguous().realize()
 
-  def __call__(self, x: Tensor, start_pos: int | UOp, table: Tensor) -> Tensor:
-    """x `[B, T, dim]` (the attention input) -> the compressed-row cache after this chunk, `[1, n, D]`, n symbolic."""
-    return self.store(x, start_pos, table)[:, :start_pos // self.R + self.n_cand(x.shape[1])]
-
-  def store(self, x: Tensor, start_pos: int | UOp, table: Tensor) -> Tensor:
-    """x `[B, T, dim]` -> the whole compressed-row cache `[1, max_rows, D]` after this chunk's rows are stored in it."""
+  def store(self, x: Tensor, rows: Rows, table: Tensor) -> Tensor:
+    """x `[B, T, dim]` (the attention input; row b at position pos_b in cache slot slot_b) -> the whole compressed-row
+    caches `[slots, max_rows, D]` after each row's candidate rows are stored in its slot. A row's windows
+    `[0, pos_b // ratio + n_cand(T))` are the ones its queries may see."""
     R, D, coff, T = self.R, self.D, self.coff, x.shape[1]
-    ape = as_tensor(getattr(self, f"{self.name}_ape").weight)
-    ape = ape.repeat(-(-T // R) + 1, 1)[start_pos % R:start_pos % R + T]          # ape row of each token: its position % R
+    ape = as_tensor(getattr(self, f"{self.name}_ape").weight).repeat(-(-T // R) + 1, 1)
+    ape = Tensor.stack(*[ape[p % R:p % R + T] for p in rows.pos]) if len(rows) > 1 else ape[rows.pos[0] % R:rows.pos[0] % R + T]  # by position % R
     # each GEMV its own kernel: a cat of the two lazy ones is one kernel running both reduces for every output (V4's
     # F16 attn compressor)
     new = getattr(self, f"{self.name}_kv")(x).contiguous().cat(getattr(self, f"{self.name}_gate")(x).contiguous() + ape, dim=-1)
-    st = ring_write(self.state, new, start_pos)                                    # [1, S, 2*coff*D]: kv | score
-    nb, w0, F = st.shape[1] // R, start_pos // R, coff * D
-    block = lambda w: st[:, (w % nb) * R:(w % nb) * R + R]                        # the R state rows of window w
-    vals, scores = [], []
-    for i in range(n := self.n_cand(T)):
-      cur = block(w0 + i)
-      if coff == 1: vals.append(cur[..., :D]); scores.append(cur[..., F:F + D]); continue
-      prev = block(w0 + i + nb - 1)
-      first = (Tensor.arange(2 * R).reshape(1, 2 * R, 1) + (w0 + i) * R) < R  # window 0 has no previous window
-      vals.append(prev[..., :D].cat(cur[..., D:F], dim=1))
-      scores.append(first.where(NEG, prev[..., F:F + D].cat(cur[..., F + D:], dim=1)))
-    v, s = Tensor.stack(*vals, dim=1), Tensor.stack(*scores, dim=1)               # [1, n, coff*R, D]
-    pooled = (v * s.softmax(2)).sum(2)                                             # [1, n, D]
-    windows = table.reshape(-1, R, *table.shape[1:])[:, 0]                         # cos/sin at each window's first position
-    rows = rope_tail(getattr(self, f"{self.name}_norm")(pooled), windows, w0)
-    return Tensor(self.rows.uop.after(self.rows[:, w0:w0 + n].uop.store(rows.cast(self.rows.dtype).uop)))
+    st = ring_write(self.state, new, rows)                                         # [slots, S, 2*coff*D]: kv | score
+    nb, F, stores = st.shape[1] // R, coff * D, []
+    for slot, start_pos in rows:
+      w0 = start_pos // R
+      block = lambda w, slot=slot: st[slot:slot + 1, (w % nb) * R:(w % nb) * R + R]  # the R state rows of window w
+      vals, scores = [], []
+      for i in range(n := self.n_cand(T)):
+        cur = block(w0 + i)
+        if coff == 1: vals.append(cur[..., :D]); scores.append(cur[..., F:F + D]); continue
+        prev = block(w0 + i + nb - 1)
+        first = (Tensor.arange(2 * R).reshape(1, 2 * R, 1) + (w0 + i) * R) < R  # window 0 has no previous window
+        vals.append(prev[..., :D].cat(cur[..., D:F], dim=1))
+        scores.append(first.where(NEG, prev[..., F:F + D].cat(cur[..., F + D:], dim=1)))
+      v, s = Tensor.stack(*vals, dim=1), Tensor.stack(*scores, dim=1)             # [1, n, coff*R, D]
+      pooled = (v * s.softmax(2)).sum(2)                                           # [1, n, D]
+      windows = table.reshape(-1, R, *table.shape[1:])[:, 0]                       # cos/sin at each window's first position
+      out = rope_tail(getattr(self, f"{self.name}_norm")(pooled), windows, w0)
+      stores.append(self.rows[slot:slot + 1, w0:w0 + n].uop.store(out.cast(self.rows.dtype).uop))
+    return Tensor(self.rows.uop.after(*stores))
 
 class Indexer:
   """`indexer.attn_q_b` (queries from the Q LoRA latent) and `indexer.proj` (per-head weights)."""
@@ -293,91 +299,104 @@ class DS4Attention:
     # ratio-4 layers: a top-k indexer over compressed keys of its own
     self.indexer, self.idx_compressor = (Indexer(cfg), Compressor(cfg, "indexer_compressor", ratio, cfg.idx_head_dim)) if ratio == 4 else (None, None)
 
-  def init_cache(self, max_ctx: int, chunk: int, device: str, dtype: DType):
+  def init_cache(self, max_ctx: int, chunk: int, device: str, dtype: DType, slots: int = 1):
     # raw rows carry their position in the first two of POS_COLS extra columns written with the row, `p % POS_BASE`
     # and `p // POS_BASE` (each exact in float16): only for `check_resume` (masks are arithmetic on start_pos); -1 =
     # never written
     assert max_ctx + chunk < POS_BASE ** 2, f"context {max_ctx} beyond the raw ring's position columns"
     S = self.cfg.window + chunk
-    never = Tensor.full((1, S, 1), -1.0, device=device).cat(Tensor.zeros(1, S, POS_COLS - 1, device=device), dim=-1)
-    self.raw = Tensor.zeros(1, S, self.cfg.head_dim, device=device).cat(never, dim=-1).cast(dtype).contiguous().realize()
-    if self.compressor is not None: self.compressor.init_cache(max_ctx, chunk, device, dtype)
+    never = Tensor.full((slots, S, 1), -1.0, device=device).cat(Tensor.zeros(slots, S, POS_COLS - 1, device=device), dim=-1)
+    self.raw = Tensor.zeros(slots, S, self.cfg.head_dim, device=device).cat(never, dim=-1).cast(dtype).contiguous().realize()
+    if self.compressor is not None: self.compressor.init_cache(max_ctx, chunk, device, dtype, slots)
     # the indexer's keys stay float32: its scores make a discrete choice (top-k), like the router's
     if self.idx_compressor is not None:
-      self.idx_compressor.init_cache(max_ctx, chunk, device, dtypes.float32)
-      # the indexer's choice per query row and compressed row, as nn/attention_kernel.py's attention_sinks reads it
-      self.chosen = Tensor.zeros(chunk, self.idx_compressor.rows.shape[1], dtype=dtypes.uint8, device=device).contiguous().realize()
+      self.idx_compressor.init_cache(max_ctx, chunk, device, dtypes.float32, slots)
+      # the indexer's choice per query row and compressed row, per slot, as nn/attention_kernel.py's attention_sinks reads it
+      self.chosen = Tensor.zeros(slots, chunk, self.idx_compressor.rows.shape[1], dtype=dtypes.uint8, device=device).contiguous().realize()
 
-  def select(self, x: Tensor, qr: Tensor, start_pos: int | UOp, tabs: Tables, ok: Tensor) -> Tensor:
-    """Indexer: which compressed rows each query attends, `[T, n]` bool (`ok`: the rows it may see). Float32 at any
-    precision: the top-k is a discrete choice (half-rounded scores flip near-ties), like the router's."""
-    with settings.override(matmul=dtypes.float32): return self._select(x, qr, start_pos, tabs, ok)
-
-  def _select(self, x: Tensor, qr: Tensor, start_pos: int | UOp, tabs: Tables, ok: Tensor) -> Tensor:
+  def select(self, x: Tensor, qr: Tensor, keys: Tensor, rows: Rows, tabs: Tables, ok: list[Tensor]) -> list[Tensor]:
+    """Indexer: which compressed rows the queries of each row attend, per row `[T, n_b]` bool (`ok[b]`: the rows they
+    may see), `keys` the indexer's compressed keys of every slot `[slots, max_rows, Di]`. The projections run for all
+    rows at once, the scores over each row's own slot. Float32 at any precision: the top-k is a discrete choice
+    (half-rounded scores flip near-ties), like the router's."""
     cfg, (B, T, _) = self.cfg, x.shape
-    keys = self.idx_compressor(x, start_pos, tabs.comp)[0]                                       # [n, Di]
-    q = rope_tail(self.indexer.attn_q_b(qr).reshape(B, T, cfg.idx_n_head, cfg.idx_head_dim), tabs.comp, start_pos)
-    w = self.indexer.proj(x) * (cfg.idx_head_dim * cfg.idx_n_head) ** -0.5                      # [B, T, Hi]
-    score = (dot_lanes(q, keys).relu() * w.unsqueeze(-1)).sum(-2)                                # [B, T, n]
-    return topk_mask(score[0], ok, cfg.idx_top_k, self.idx_compressor.rows.shape[1])
+    with settings.override(matmul=dtypes.float32):
+      q = rope_tail(self.indexer.attn_q_b(qr).reshape(B, T, cfg.idx_n_head, cfg.idx_head_dim), tabs.comp, rows)
+      w = self.indexer.proj(x) * (cfg.idx_head_dim * cfg.idx_n_head) ** -0.5                    # [B, T, Hi]
+      out = []
+      for b, ((slot, _), seen) in enumerate(zip(rows, ok)):
+        score = (dot_lanes(q[b:b + 1], keys[slot:slot + 1, :seen.shape[1]][0]).relu() * w[b:b + 1].unsqueeze(-1)).sum(-2)  # [1, T, n]
+        out.append(topk_mask(score[0], seen, cfg.idx_top_k, keys.shape[1]))
+      return out
 
-  def _attend(self, x: Tensor, q: Tensor, qr: Tensor, raw: Tensor, start_pos: int | UOp, tabs: Tables) -> Tensor:
-    """Queries `[B, T, H, D]` over the raw ring's keys `[S, D]` and the compressed rows -> `[B, H, T, D]`, as tensor ops."""
-    cfg, T, D, H = self.cfg, x.shape[1], self.cfg.head_dim, self.cfg.n_head
+  def _attend(self, q: Tensor, raw: Tensor, rows: Tensor | None, seen: Tensor | None, start_pos: int | UOp) -> Tensor:
+    """One sequence's queries `[1, T, H, D]` over its raw ring's keys `[S, D]` and its compressed rows `[n, D]` (the
+    ones it may see: `seen` `[T, n]`) -> `[1, H, T, D]`, as tensor ops."""
+    cfg, T, D, H = self.cfg, q.shape[1], self.cfg.head_dim, self.cfg.n_head
     qpos = (Tensor.arange(T) + start_pos).reshape(T, 1)
     held = ring_positions(raw.shape[0], start_pos + T - 1).reshape(1, -1)
     keys, ok = raw, (held >= 0) & (held <= qpos) & (held > qpos - cfg.window)                  # [T, S]
-    if self.ratio:
-      rows = self.compressor(x, start_pos, tabs.comp)[0]                                       # [n, D]
-      seen = ((arange(rows.shape[0]) + 1) * self.ratio).reshape(1, -1) <= qpos + 1      # complete windows only
-      if self.ratio == 4: seen = seen & self.select(x, qr, start_pos, tabs, seen)
-      keys, ok = rows.cat(raw), seen.cat(ok, dim=1)  # the symbolic-length part first: tinygrad cannot cat after a fixed one
-    scores = ok.where(dot_lanes(q.transpose(1, 2), keys) * D ** -0.5, NEG)                      # [B, H, T, S]
+    if rows is not None:  # the symbolic-length part first: tinygrad cannot cat after a fixed one
+      keys, ok = rows.cat(raw), seen.cat(ok, dim=1)
+    scores = ok.where(dot_lanes(q.transpose(1, 2), keys) * D ** -0.5, NEG)                      # [1, H, T, S]
     sink = as_tensor(self.attn_sinks.weight).reshape(1, H, 1, 1)                              # a logit with no value
     m = scores.max(-1, keepdim=True).maximum(sink)
     # materialised: left lazy, the exp is recomputed for every value column of `e @ keys` (512 per score)
     e = (scores - m).exp().contiguous()
     return (e @ keys) / (e.sum(-1, keepdim=True) + (sink - m).exp())
 
-  def _attend_kernel(self, x: Tensor, q: Tensor, qr: Tensor, ring: Tensor, start_pos: int | UOp, tabs: Tables,
+  def _attend_kernel(self, q: Tensor, ring: Tensor, comp: Tensor | None, picks: list[Tensor] | None, rows: Rows,
                      unit: tuple[int, int]) -> Tensor:
-    """The same as `_attend` as one C kernel (nn/attention_kernel.py's attention_sinks) over the static caches, the
-    visibility arithmetic on the position there, the indexer's choice stored for it -> `[T, H, D]`."""
-    cfg, T, R = self.cfg, x.shape[1], self.ratio
-    rows = self.compressor.store(x, start_pos, tabs.comp) if R else None
+    """The same as `_attend` as one C kernel per row (nn/attention_kernel.py's attention_sinks) over its slot of the
+    static caches, the visibility arithmetic on the position there, the indexer's choice stored for it -> `[B, T, H, D]`."""
+    cfg, T, R = self.cfg, q.shape[1], self.ratio
     chosen = None
-    if R == 4:
-      n = start_pos // R + self.compressor.n_cand(T)
-      seen = ((arange(n) + 1) * R).reshape(1, -1) <= (Tensor.arange(T) + start_pos).reshape(T, 1) + 1
-      pick = self.select(x, qr, start_pos, tabs, seen).cast(dtypes.uint8)                     # [T, n]
-      chosen = Tensor(self.chosen.uop.after(self.chosen[:T, :n].uop.store(pick.uop)))
+    if picks is not None:
+      stores = [self.chosen[s:s + 1, :T, :pick.shape[1]].uop.store(pick.cast(dtypes.uint8).reshape(1, T, -1).uop)
+                for (s, _), pick in zip(rows, picks)]
+      chosen = Tensor(self.chosen.uop.after(*stores))
     keys = attention_kernel.SinkKeys(R, self.compressor.n_cand(T) if R else 0, ring.shape[1], ring.shape[2], cfg.window, R == 4)
-    return attention_kernel.attention_sinks(q[0], ring, rows, chosen, as_tensor(self.attn_sinks.weight), start_pos, keys,
-                                            cfg.head_dim ** -0.5, unit)
+    return Tensor.stack(*[attention_kernel.attention_sinks(q[b], ring, comp, chosen, as_tensor(self.attn_sinks.weight), s, p, keys,
+                                                           cfg.head_dim ** -0.5, unit) for b, (s, p) in enumerate(rows)])
 
-  def __call__(self, x: Tensor, start_pos: int | UOp, tabs: Tables) -> Tensor:
-    cfg, (B, T, _) = self.cfg, x.shape
-    H, D, G = cfg.n_head, cfg.head_dim, cfg.o_groups
-    table, inv = (tabs.comp, tabs.comp_inv) if self.ratio else (tabs.main, tabs.main_inv)
+  def __call__(self, x: Tensor, start_pos: int | UOp | Rows, tabs: Tables) -> Tensor:
+    """x `[B, T, dim]`, row b at position pos_b in cache slot slot_b (nn/cache_rows.py's Rows; an int or variable: one
+    sequence in slot 0): the projections and the output LoRA see every row at once, the caches and the attention are
+    each row's own."""
+    cfg, (B, T, _), rows = self.cfg, x.shape, Rows.of(start_pos)
+    H, D, G, R = cfg.n_head, cfg.head_dim, cfg.o_groups, self.ratio
+    table, inv = (tabs.comp, tabs.comp_inv) if R else (tabs.main, tabs.main_inv)
     qr = matmul_input(self.attn_q_a_norm(self.attn_q_a(x)))
-    q = rope_tail(rms0(self.attn_q_b(qr).reshape(B, T, H, D), cfg.norm_eps), table, start_pos)
-    kv = rope_tail(self.attn_kv_a_norm(self.attn_kv(x)), table, start_pos)                    # [B, T, D]: K and V
-    qpos = (Tensor.arange(T) + start_pos).reshape(T, 1)
-    pos = (qpos % POS_BASE).cat(qpos // POS_BASE, dim=-1).float().reshape(1, T, 2).pad((None, None, (0, POS_COLS - 2)))
-    ring = ring_write(self.raw, kv.cat(pos, dim=-1), start_pos)                                # [1, S, D + POS_COLS]
-    rows = self.compressor.rows if self.ratio else None
+    q = rope_tail(rms0(self.attn_q_b(qr).reshape(B, T, H, D), cfg.norm_eps), table, rows)
+    kv = rope_tail(self.attn_kv_a_norm(self.attn_kv(x)), table, rows)                         # [B, T, D]: K and V
+    qpos = [(Tensor.arange(T) + p).reshape(T, 1) for p in rows.pos]
+    cols = [(qp % POS_BASE).cat(qp // POS_BASE, dim=-1).float().reshape(1, T, 2) for qp in qpos]
+    pos = (cols[0] if B == 1 else Tensor.cat(*cols)).pad((None, None, (0, POS_COLS - 2)))
+    ring = ring_write(self.raw, kv.cat(pos, dim=-1), rows)                                     # [slots, S, D + POS_COLS]
+    comp = self.compressor.store(x, rows, tabs.comp) if R else None                            # [slots, max_rows, D]
+    # per row: its compressed rows [0, n) and which of them its queries may see (complete windows only)
+    n = [p // R + self.compressor.n_cand(T) for p in rows.pos] if R else []
+    seen = [((arange(k) + 1) * R).reshape(1, -1) <= qp + 1 for k, qp in zip(n, qpos)]
+    picks = None
+    if R == 4:
+      with settings.override(matmul=dtypes.float32): keys = self.idx_compressor.store(x, rows, tabs.comp)
+      picks = self.select(x, qr, keys, rows, tabs, seen)
     unit = settings.current(x.device).caps.c_attention
-    if B == 1 and attention_kernel.sink_applies(q[0], ring, rows, unit, start_pos):
-      o = self._attend_kernel(x, q, qr, ring, start_pos, tabs, unit).unsqueeze(0)
-    else: o = self._attend(x, q, qr, ring[0, :, :D], start_pos, tabs).transpose(1, 2)
-    o = rope_tail(o, inv, start_pos)                                                            # rotate V's RoPE back
+    if all(attention_kernel.sink_applies(q[0], ring, comp, unit, s, p) for s, p in rows):
+      o = self._attend_kernel(q, ring, comp, picks, rows, unit)
+    else:
+      o = Tensor.cat(*[self._attend(q[b:b + 1], ring[s:s + 1, :, :D][0], comp[s:s + 1, :n[b]][0] if R else None,
+                                    (seen[b] & picks[b] if picks is not None else seen[b]) if R else None, p)
+                       for b, (s, p) in enumerate(rows)]).transpose(1, 2)
+    o = rope_tail(o, inv, rows)                                                                 # rotate V's RoPE back
     # materialised: left lazy, the attention output (and its inverse rope) is recomputed for every row of the GEMV
     o = o.reshape(B * T, G, H * D // G).transpose(0, 1).contiguous()                            # [G, BT, H*D/G]
-    if B * T == 1: o = linear(o, _grouped(self.attn_output_a.weight, G)).transpose(0, 1).reshape(B, T, G * cfg.o_lora_rank)
+    # one token per row (decode, batched or not): a GEMV per group, each row's sums as alone
+    if T == 1: o = linear(o, _grouped(self.attn_output_a.weight, G)).transpose(0, 1).reshape(B, T, G * cfg.o_lora_rank)
     else:  # a chunk: a GEMM per group on its rows dequantized once (as nn/layers.py's Linear), joined in [B, T, G * rank] order so
       # that attn_output_b's reduce is one axis (the GEMM kernel opts need that)
-      w, R = self.attn_output_a.weight, cfg.o_lora_rank
-      o = Tensor.cat(*[matmul(o[g], w[g * R:(g + 1) * R]).contiguous() for g in range(G)], dim=-1).reshape(B, T, G * R).contiguous()
+      w, Rk = self.attn_output_a.weight, cfg.o_lora_rank
+      o = Tensor.cat(*[matmul(o[g], w[g * Rk:(g + 1) * Rk]).contiguous() for g in range(G)], dim=-1).reshape(B, T, G * Rk).contiguous()
     return self.attn_output_b(o)
 
 # ---------------------------------------------------------------- MoE
@@ -391,13 +410,15 @@ class DS4MoE(MoE):
     # the first n_hash_layer layers route by token: `ffn_gate_tid2eid[token]` picks the experts
     self.ffn_gate_tid2eid = Params(weight=Param(cfg.n_vocab, cfg.moe.n_expert_used)) if i < cfg.n_hash_layer else None
 
-  def route(self, x: Tensor, tokens: Tensor | UOp | None = None) -> tuple[Tensor, Tensor]:
+  def route(self, x: Tensor, tokens: Tensor | UOp | list[UOp] | None = None) -> tuple[Tensor, Tensor]:
     if self.ffn_gate_tid2eid is None: return super().route(x)
     with settings.override(matmul=dtypes.float32): logits = self.ffn_gate_inp(x)  # float32 at any precision, as MoE.route
     cfg, probs = self.cfg, logits.softplus().sqrt()
     t = self.ffn_gate_tid2eid.weight
-    ids = (t[tokens:tokens + 1] if isinstance(tokens, UOp) else t[tokens])
-    ids = (ids.dequant(dtypes.int32) if isinstance(ids, QTensor) else ids.cast(dtypes.int32)).reshape(*x.shape[:-1], cfg.n_expert_used)
+    as_ids = lambda r: r.dequant(dtypes.int32) if isinstance(r, QTensor) else r.cast(dtypes.int32)
+    if isinstance(tokens, list): ids = Tensor.cat(*[as_ids(t[u:u + 1]) for u in tokens])  # a batched step: a variable per row
+    else: ids = as_ids(t[tokens:tokens + 1] if isinstance(tokens, UOp) else t[tokens])
+    ids = ids.reshape(*x.shape[:-1], cfg.n_expert_used)
     w = probs.gather(-1, ids)
     if cfg.weights_norm: w = w / w.sum(-1, keepdim=True).maximum(6.103515625e-5)
     return ids, w * cfg.weights_scale
@@ -409,7 +430,7 @@ class DS4MoE(MoE):
 
   def _act(self, g: Tensor, u: Tensor) -> Tensor: return self._swiglu(g, u, self.limit)
 
-  def __call__(self, x: Tensor, tokens: Tensor | UOp | None = None) -> Tensor:
+  def __call__(self, x: Tensor, tokens: Tensor | UOp | list[UOp] | None = None) -> Tensor:
     y = self.experts(x, *self.route(x, tokens))
     if self.shexp is None: return y
     s = self.shexp
@@ -424,7 +445,7 @@ class DS4Block:
     self.attn = DS4Attention(cfg, cfg.compress_ratios[i])
     self.ffn = DS4MoE(cfg, i, has_bias=cfg.expert_bias[i])
 
-  def __call__(self, x: Tensor, tokens: Tensor | UOp, start_pos: int | UOp, tabs: Tables) -> Tensor:
+  def __call__(self, x: Tensor, tokens: Tensor | UOp | list[UOp], start_pos: int | UOp | Rows, tabs: Tables) -> Tensor:
     # over a chunk each sublayer's output is materialised: left lazy, hc_post fuses it into the streams' kernel, which
     # recomputes the output projection (a whole GEMM) once per stream. The streams after attention are materialised
     # too: left lazy, the ffn site's mix recomputes them for each of its outputs
@@ -437,14 +458,13 @@ class DS4Block:
 class DS4Transformer:
   """The deepseek4 model (arch.Model). Unlike model.Transformer's row-per-position caches, the rings only let a new run
   start at position 0 or up to `max_rewind` positions before the last one written (see `check_resume`), and one forward
-  takes at most PREFILL_CHUNK tokens."""
+  takes at most PREFILL_CHUNK tokens. With several slots every cache (raw ring, compressor state and rows, the
+  indexer's keys and choice) has one per slot, `[slots, ...]`, as nn/cache_rows.py lays out the others'."""
   PREFILL_CHUNK = 32  # the most tokens one forward takes (the rings' slack), and the captured prefill chunk
   PREFILL_CHUNKS = (PREFILL_CHUNK,)
   MAX_FORWARD_TOKENS: int | None = PREFILL_CHUNK
   max_rewind: int | None = PREFILL_CHUNK
-  PREFIX_ROWS = False  # see cache_tensors
-  SLOTS = False        # its ring caches and compressor state have no slot axis yet
-  slots = 1            # one sequence: the ring caches have no slots (nn/cache_rows.py)
+  slots = 1            # sequences whose caches sit side by side (nn/cache_rows.py)
 
   def __init__(self, cfg: DS4Config):
     self.cfg = cfg
@@ -456,7 +476,6 @@ class DS4Transformer:
 
   @classmethod
   def load(cls, cfg: DS4Config, gf: GGUFFile, device: str, max_ctx: int, numerics: str, slots: int = 1) -> DS4Transformer:
-    if slots != 1: raise ValueError(f"{gf.path}: deepseek4 runs one sequence at a time (its ring caches have no slots yet), {slots} were asked for")
     model = cls(cfg)
     load_weights(model, gf, device)
     model.max_ctx, model.settings = max_ctx, settings.Settings.for_model(device, numerics)
@@ -465,12 +484,16 @@ class DS4Transformer:
     main, comp = rope_table(cfg.rope, rows, device), rope_table(cfg.rope_comp, rows, device)
     conj = Tensor([1.0, -1.0], device=device)
     model.tabs = Tables(main, comp, (main * conj).realize(), (comp * conj).realize())
-    for b in model.blk: b.attn.init_cache(max_ctx, C, device, model.settings.cache)
+    for b in model.blk: b.attn.init_cache(max_ctx, C, device, model.settings.cache, slots)
+    model.slots = slots
     return model
 
-  def forward(self, tokens: Tensor | UOp, start_pos: int | UOp, last_only: bool = False, select: Tensor | None = None) -> Tensor:
-    """tokens `[1, T]` int32 (T <= PREFILL_CHUNK) or one token as a bound variable, at positions start_pos.. -> logits
-    `[1, T, vocab]` (or `[1, 1, vocab]` for the last / the one-hot `select`ed position)."""
+  def forward(self, tokens: Tensor | UOp | list[UOp], start_pos: int | UOp | Rows, last_only: bool = False,
+              select: Tensor | None = None) -> Tensor:
+    """tokens `[1, T]` int32 (T <= PREFILL_CHUNK) or one token as a bound variable, at positions start_pos.. (with slots:
+    nn/cache_rows.py's Rows) -> logits `[1, T, vocab]` (or `[1, 1, vocab]` for the last / the one-hot `select`ed
+    position). A batched step: one token per row as bound variables, and `start_pos` the rows' slots and positions ->
+    `[B, 1, vocab]`."""
     with self.settings.active():
       e = self.token_embd(tokens)
       B, T, D = e.shape
@@ -496,5 +519,20 @@ class DS4Transformer:
       raise ValueError(f"deepseek4 cannot resume at position {start_pos}: its ring caches no longer hold the {self.cfg.window} positions "
                        f"before it (resuming works up to {self.max_rewind} positions back); prefill from position 0")
 
-  def cache_tensors(self, slot: int = 0):
-    raise NotImplementedError("deepseek4 caches are rings and pending compressor state, not rows [0:n] of a prefix: no prefix save/restore")
+  def cache_tensors(self, slot: int = 0) -> list[tuple[str, Tensor, int, Callable[[int], int]]]:
+    """Every cache tensor of one slot whose contents are the state after n tokens, as (name, tensor `[1, rows, ...]`,
+    row axis, rows(n)): the whole raw ring and compressor state rings (rows(n) their length), and the compressed rows of
+    the windows complete after n tokens (n // ratio; the pending window's row is recomputed from the state ring by the
+    step that next touches it). The state holds only the last positions written, so a saved state resumes at its own
+    length (`max_rewind`), as a slot does in memory. The indexer's choice is per step, not state."""
+    one = lambda t: t if self.slots == 1 else t[slot:slot + 1]
+    whole = lambda t: lambda n, k=t.shape[1]: k
+    out = []
+    for i, b in enumerate(self.blk):
+      a = b.attn
+      out.append((f"blk.{i}.attn.raw", one(a.raw), 1, whole(a.raw)))
+      for c in (a.compressor, a.idx_compressor):
+        if c is None: continue
+        out += [(f"blk.{i}.{c.name}.state", one(c.state), 1, whole(c.state)),
+                (f"blk.{i}.{c.name}.rows", one(c.rows), 1, lambda n, R=c.R: n // R)]
+    return out

@@ -5,6 +5,7 @@ then the weights. Everything after that (captured steps, generation, prefix reus
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -26,9 +27,7 @@ class Model(Protocol):
   PREFILL_CHUNK: int                # the most tokens one prefill step writes (the caches' slack past max_ctx)
   MAX_FORWARD_TOKENS: int | None    # the most tokens one forward takes; None: any
   max_rewind: int | None            # a run may start at most this far before the furthest row written; None: anywhere
-  PREFIX_ROWS: bool                 # cache_tensors() exists: a prefix's cache rows can be saved (serve --kv-cache-dir)
   slots: int                        # sequences whose caches sit side by side (nn/cache_rows.py); a batched step needs > 1
-  SLOTS: bool                       # whether the model can be loaded with slots > 1
 
   def forward(self, tokens: Tensor | UOp, start_pos: int | UOp, last_only: bool = False, select: Tensor | None = None) -> Tensor:
     """tokens `[1, T]` (or one token as a bound variable) at positions start_pos.. -> logits `[1, T, vocab]`; the
@@ -40,8 +39,9 @@ class Model(Protocol):
   def check_resume(self, start_pos: int) -> None:
     """Raise ValueError unless the caches hold what a run starting at `start_pos` needs."""
     ...
-  def cache_tensors(self, slot: int = 0) -> list[tuple[str, Tensor, int]]:
-    """(name, tensor, row axis) of every cache tensor of `slot` whose rows [0:n] are the state after n tokens."""
+  def cache_tensors(self, slot: int = 0) -> list[tuple[str, Tensor, int, Callable[[int], int]]]:
+    """(name, tensor, row axis, rows(n)) of every cache tensor of `slot` whose rows [0:rows(n)] are the state after n
+    tokens (serve --kv-cache-dir saves and restores them)."""
     ...
 
 @dataclass(frozen=True)

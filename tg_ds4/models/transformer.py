@@ -4,6 +4,7 @@ Module attributes carry GGUF tensor names, so `load_weights` fills them with pac
 from __future__ import annotations
 
 import dataclasses, math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -80,10 +81,8 @@ class Transformer:
   PREFILL_CHUNKS = (32, 64, 128)
   PREFILL_CHUNK = PREFILL_CHUNKS[-1]  # the most tokens one chunk writes: the cache's slack rows past max_ctx
   MAX_FORWARD_TOKENS: int | None = None  # a forward takes any number of tokens
-  PREFIX_ROWS = True
   max_rewind: int | None = None          # a run may start at any cached position
   slots = 1                              # sequences whose caches sit side by side (nn/cache_rows.py)
-  SLOTS = True
 
   def __init__(self, cfg: ModelConfig):
     self.cfg = cfg
@@ -159,13 +158,15 @@ class Transformer:
 
   def check_resume(self, start_pos: int) -> None: pass  # every row of a cached prefix stays in the cache
 
-  def cache_tensors(self, slot: int = 0) -> list[tuple[str, Tensor, int]]:
-    """Every KV-cache tensor of one slot as (name, tensor `[1, rows, ...]`, row axis): rows [0:n] along that axis are the
-    state after n tokens, so a prefix can be saved and restored without knowing the attention class (nor the slot:
-    the shapes are those of a model with one slot)."""
+  def cache_tensors(self, slot: int = 0) -> list[tuple[str, Tensor, int, Callable[[int], int]]]:
+    """Every KV-cache tensor of one slot as (name, tensor `[1, rows, ...]`, row axis, rows(n) = n): rows [0:n] along
+    that axis are the state after n tokens, so a prefix can be saved and restored without knowing the attention class
+    (nor the slot: the shapes are those of a model with one slot)."""
     one = lambda t: t if self.slots == 1 else t[slot:slot + 1]
-    return [(f"blk.{i}.attn.cache", one(b.attn.cache), 1) for i, b in enumerate(self.blk) if b.attn.cache is not None] + \
-      [(f"blk.{i}.attn.idx_cache", one(b.attn.idx_cache), 1) for i, b in enumerate(self.blk) if getattr(b.attn, "idx_cache", None) is not None]
+    prefix = lambda n: n
+    return [(f"blk.{i}.attn.cache", one(b.attn.cache), 1, prefix) for i, b in enumerate(self.blk) if b.attn.cache is not None] + \
+      [(f"blk.{i}.attn.idx_cache", one(b.attn.idx_cache), 1, prefix) for i, b in enumerate(self.blk)
+       if getattr(b.attn, "idx_cache", None) is not None]
 
 def _rope_freqs(gf: GGUFFile, dim: int) -> np.ndarray | None:
   """The file's `rope_freqs.weight` (llama 3.1+: one divisor per rotated pair), or None."""

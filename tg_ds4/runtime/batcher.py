@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tg_ds4.backend.buffers import host_array
-from tg_ds4.runtime.runner import FEED_TOKENS, GREEDY, MAX_TOP_LOGPROBS, Runner, Step, TOP_LOGPROBS_BUCKETS, reusable_prefix
+from tg_ds4.runtime.runner import FEED_TOKENS, GREEDY, MAX_TOP_LOGPROBS, Runner, Step, TOP_LOGPROBS_BUCKETS
 from tg_ds4.runtime.sampling import SamplingParams, rng
 
 
@@ -131,11 +131,12 @@ class Batcher:
 
   def _admit(self) -> list[Event]:
     """Queued requests onto free slots, first come first served; each takes the free slot whose cache shares the
-    longest prefix with its prompt (the lowest slot on a tie) and prefills only past that prefix."""
+    longest prefix with its prompt that the model can resume from (runtime/runner.py's Runner.reusable; the lowest
+    slot on a tie) and prefills only past that prefix."""
     events = []
     while self.queue and (free := self._free_slots()):
       rid, req, t = self.queue.popleft()
-      common = [reusable_prefix(req.prompt, self.slot_tokens[i]) for i in free]
+      common = [self.runner.reusable(list(req.prompt), self.slot_tokens[i]) for i in free]
       slot = free[int(np.argmax(common))]
       n, start = len(req.prompt), max(common)
       if self.restore is not None:

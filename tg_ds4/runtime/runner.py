@@ -317,13 +317,15 @@ class Runner:
 
   # *** generation
 
-  def reusable(self, prompt: list[int]) -> int:
-    """How many leading tokens of `prompt` the cache already holds, at most len(prompt) - 1: the last prompt token is
-    always run again, since its logits give the first new token."""
-    n = reusable_prefix(prompt, self.cached)
+  def reusable(self, prompt: list[int], cached: list[int] | None = None) -> int:
+    """How many leading tokens of `prompt` the cache already holds (`cached`: the tokens whose rows a slot holds; default
+    slot 0's), at most len(prompt) - 1: the last prompt token is always run again, since its logits give the first
+    new token."""
+    cached = self.cached if cached is None else cached
+    n = reusable_prefix(prompt, cached)
     # ring caches (DeepSeek V4) keep only the last rows: restarting further back than `max_rewind` from the furthest row
     # written (a padded prefill chunk may write PREFILL_CHUNK rows past the cached tokens) means prefilling from scratch
-    if (rewind := self.model.max_rewind) is not None and len(self.cached) + self.model.PREFILL_CHUNK - n > rewind: return 0
+    if (rewind := self.model.max_rewind) is not None and len(cached) + self.model.PREFILL_CHUNK - n > rewind: return 0
     return n
 
   def generate(self, prompt: list[int], max_new: int, params: SamplingParams = GREEDY, stop: set[int] = frozenset(),
@@ -404,21 +406,23 @@ class Runner:
   # steps): no kernel is compiled per prefix length, and the captured steps keep pointing at the same memory.
 
   def kv_rows(self, n: int, slot: int = 0) -> list[tuple[str, np.ndarray]]:
-    """Host copies of rows [0:n] of every cache tensor of `slot` (only meaningful for rows that hold a prefix: n <=
-    len(self.cached) for slot 0's single-sequence use, a Batcher's slot_tokens for its slots)."""
+    """Host copies of the state after n tokens of every cache tensor of `slot`: its rows [0:rows(n)] (the model's
+    cache_tensors; only meaningful for a state that holds a prefix: n <= len(self.cached) for slot 0's single-sequence
+    use, a Batcher's slot_tokens for its slots; for a model with `max_rewind`, all of them)."""
     out = []
-    for name, t, axis in self.model.cache_tensors(slot):
-      if (view := _prefix_view(t, axis, n, slot)) is not None: a = view.numpy().reshape(*t.shape[:axis], n, *t.shape[axis + 1:])
-      elif slot == 0: a = _buffer(t).numpy().reshape(t.shape)[(slice(None),) * axis + (slice(0, n),)]
+    for name, t, axis, count in self.model.cache_tensors(slot):
+      if (k := count(n)) == 0: continue  # nothing of it yet (a window not complete)
+      if (view := _prefix_view(t, axis, k, slot)) is not None: a = view.numpy().reshape(*t.shape[:axis], k, *t.shape[axis + 1:])
+      elif slot == 0: a = _buffer(t).numpy().reshape(t.shape)[(slice(None),) * axis + (slice(0, k),)]
       else: raise ValueError(f"{name}: rows of slot {slot} are not one contiguous run")
       out.append((name, np.array(a)))
     return out
 
   def load_kv_rows(self, tokens: list[int], rows: dict[str, np.ndarray], slot: int = 0) -> None:
-    """Write saved rows [0:len(tokens)] back into the cache tensors of `slot` (slot 0: `cached` becomes `tokens`)."""
-    n = len(tokens)
+    """Write the saved state after `tokens` back into the cache tensors of `slot` (slot 0: `cached` becomes `tokens`)."""
     if slot == 0: self.cached = []
-    for name, t, axis in self.model.cache_tensors(slot):
+    for name, t, axis, count in self.model.cache_tensors(slot):
+      if (n := count(len(tokens))) == 0: continue
       a = rows[name]
       if a.shape[axis] < n or a.shape[:axis] + a.shape[axis + 1:] != t.shape[:axis] + t.shape[axis + 1:]:
         raise ValueError(f"{name}: saved rows {a.shape} do not fit {t.shape} up to row {n}")
@@ -433,4 +437,4 @@ class Runner:
 
   def cache_layout(self) -> list[tuple[str, tuple[int, ...], str, int]]:
     """(name, shape, dtype, row axis) of every cache tensor: part of a saved cache's identity."""
-    return [(name, tuple(t.shape), t.dtype.name, axis) for name, t, axis in self.model.cache_tensors()]
+    return [(name, tuple(t.shape), t.dtype.name, axis) for name, t, axis, _ in self.model.cache_tensors()]

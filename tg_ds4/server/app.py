@@ -98,7 +98,7 @@ def load(model: str, max_context: int | None, kv_cache_dir: str | None = None, k
   tok, t0 = Tokenizer.from_gguf(gf), time.perf_counter()
   def load_runner():
     runner = Runner.load(gf, max_ctx=max_context or default_context(gf), parallel=parallel, numerics=numerics)
-    if not kv_cache_dir: return runner, None  # (a model without prefix rows, deepseek4, has no cache layout to fingerprint)
+    if not kv_cache_dir: return runner, None
     fp = model_fingerprint(path, runner.cache_layout(), gf.identity() if hasattr(gf, "identity") else None,
                            activations.effective(numerics, runner.device))
     return runner, KVStore(kv_cache_dir, fp, kv_cache_size, kv_cache_min_tokens)

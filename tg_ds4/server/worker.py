@@ -187,16 +187,23 @@ class Worker:
     reason = "cancelled" if e.step is None else "stop" if e.step.token in job.stop_ids else "length"
     self._ended(job, reason)
     self.job_seconds = 0.8 * self.job_seconds + 0.2 * (time.perf_counter() - started)
-    kv, prompt = self.kvstore, job.prompt
-    if kv is not None and reason != "cancelled" and b.slot_tokens[e.slot][:len(prompt)] == prompt and kv.wants(prompt):
-      kv.save(prompt, self.runner.kv_rows(len(prompt), e.slot))
+    kv = self.kvstore
+    if kv is not None and reason != "cancelled" and (keep := self._to_save(b.slot_tokens[e.slot], job.prompt)) and kv.wants(keep):
+      kv.save(keep, self.runner.kv_rows(len(keep), e.slot))
+
+  def _to_save(self, held: list[int], prompt) -> list[int] | None:
+    """What a finished request leaves to save when its cache holds `held` (None: not its prompt): the prompt's rows, or,
+    for a model whose state resumes only where it ends (ring caches: the model's max_rewind), all it holds (a
+    conversation's next turn extends it)."""
+    if list(held[:len(prompt)]) != list(prompt): return None
+    return list(prompt) if self.runner.model.max_rewind is None else list(held)
 
   def _restore(self, prompt: tuple[int, ...], slot: int, start: int) -> int:
     """A saved prefix of `prompt` into `slot` when it saves MIN_DISK_GAIN tokens over the `start` the slot holds."""
     kv, entry = self.kvstore, None
     try:
-      entry, n = kv.lookup(list(prompt))
-      n = min(n, len(prompt) - 1)
+      entry, _ = kv.lookup(list(prompt))
+      n = self.runner.reusable(list(prompt), entry.tokens.tolist()) if entry is not None else 0
       if entry is not None and n >= start + MIN_DISK_GAIN and (rows := kv.load(entry)) is not None:
         self.runner.load_kv_rows(entry.tokens[:n].tolist(), rows, slot)
         return n
@@ -211,8 +218,8 @@ class Worker:
     if kv is None: return start
     entry = None
     try:
-      entry, n = kv.lookup(prompt)
-      n = min(n, len(prompt) - 1)
+      entry, _ = kv.lookup(prompt)
+      n = eng.reusable(prompt, entry.tokens.tolist()) if entry is not None else 0
       if entry is not None and n >= start + MIN_DISK_GAIN and (rows := kv.load(entry)) is not None:
         eng.load_kv_rows(entry.tokens[:n].tolist(), rows)
         start = eng.reusable(prompt)
@@ -237,4 +244,4 @@ class Worker:
     if reason != "cancelled" and last in job.stop_ids: reason = "stop"
     self._ended(job, reason)
     kv = self.kvstore
-    if kv is not None and eng.cached[:len(prompt)] == prompt and kv.wants(prompt): kv.save(prompt, eng.kv_rows(len(prompt)))
+    if kv is not None and (keep := self._to_save(eng.cached, prompt)) and kv.wants(keep): kv.save(keep, eng.kv_rows(len(keep)))
