@@ -1,7 +1,7 @@
 """The persistent KV cache directory against damage and hostility: a flipped header byte, headers of the wrong types
 under a valid checksum, a FIFO, symlinks out of the directory, other models' and foreign files at eviction, failed and
 interrupted writes, and saved prefixes the engine cannot take (through the worker's reuse path, on a fake engine)."""
-import hashlib, json, logging, os, shutil, struct, subprocess, sys, threading, time
+import hashlib, json, logging, os, shutil, struct, subprocess, sys, threading, time, types
 
 import numpy as np
 import pytest
@@ -180,6 +180,7 @@ def test_stale_temp_files_are_swept_live_ones_and_planted_links_kept(tmp_path, w
 class FakeRunner:
   """What Worker._reuse needs of a Runner; `fits=False` refuses rows the way Runner.load_kv_rows does (after emptying
   the cache)."""
+  model = types.SimpleNamespace(max_rewind=None)  # a row cache: any saved prefix resumes
   def __init__(self, cached=(), fits=True): self.cached, self.fits = list(cached), fits
   def reusable(self, prompt, cached=None):
     n = 0
@@ -219,6 +220,16 @@ def test_saved_rows_that_do_not_fit_the_engine_are_dropped(tmp_path, warnings_lo
   assert not f.exists() and s.wants(_toks(0))  # ours and useless: deleted, so the next answer saves it anew
   eng = FakeRunner(cached=_toks(0)[:5])
   assert _worker(eng, s)._reuse(_toks(0) + [999]) == 5  # nothing on disk any more: the memory prefix
+
+def test_lookup_of_whole_states_takes_only_entries_the_prompt_extends(tmp_path):
+  """A state that resumes only where it ends (DeepSeek V4's rings) is of use only when the prompt begins with all of its
+  tokens: a longer entry that shares more of the prompt but goes on differently is passed over for it."""
+  s = KVStore(tmp_path, "model-A", 1 << 20, 4)
+  s.save(list(range(20)), _rows(20)); s.save(list(range(30)) + [7, 7], _rows(32)); s.flush()
+  prompt = list(range(40))
+  assert [len(e.tokens) if e else None for e in [s.lookup(prompt)[0]]] == [32] and s.lookup(prompt)[1] == 30
+  e, n = s.lookup(prompt, whole=True)
+  assert len(e.tokens) == 20 and n == 20 and s.lookup(list(range(10)), whole=True) == (None, 0)
 
 def test_kvstore_roundtrip_lookup_and_lru(tmp_path):
   s = KVStore(tmp_path, "model-A", 1 << 20, 4)

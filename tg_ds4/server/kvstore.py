@@ -177,8 +177,9 @@ class KVStore:
 
   # *** lookup and load (the inference worker's thread) ***
 
-  def lookup(self, prompt: list[int]) -> tuple[Entry | None, int]:
-    """The saved entry sharing the longest prefix with `prompt`, and that length."""
+  def lookup(self, prompt: list[int], whole: bool = False) -> tuple[Entry | None, int]:
+    """The saved entry sharing the longest prefix with `prompt`, and that length; with `whole`, only entries all of
+    whose tokens begin `prompt` (a state that resumes only where it ends: DeepSeek V4's rings)."""
     p, best, best_n = np.asarray(prompt, np.int32), None, 0
     with self.lock: entries = list(self.index.values())
     for e in entries:
@@ -187,7 +188,7 @@ class KVStore:
         diff = np.flatnonzero(p[:m] != e.tokens[:m])
         n = int(diff[0]) if len(diff) else m
       except Exception as ex: self.discard(e, f"unusable token ids ({type(ex).__name__}: {ex})"); continue
-      if n > best_n: best, best_n = e, n
+      if n > best_n and not (whole and n < len(e.tokens)): best, best_n = e, n
     return best, best_n
 
   def load(self, entry: Entry) -> dict[str, np.ndarray] | None:

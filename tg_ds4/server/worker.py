@@ -202,7 +202,7 @@ class Worker:
     """A saved prefix of `prompt` into `slot` when it saves MIN_DISK_GAIN tokens over the `start` the slot holds."""
     kv, entry = self.kvstore, None
     try:
-      entry, _ = kv.lookup(list(prompt))
+      entry, _ = kv.lookup(list(prompt), whole=self.runner.model.max_rewind is not None)
       n = self.runner.reusable(list(prompt), entry.tokens.tolist()) if entry is not None else 0
       if entry is not None and n >= start + MIN_DISK_GAIN and (rows := kv.load(entry)) is not None:
         self.runner.load_kv_rows(entry.tokens[:n].tolist(), rows, slot)
@@ -218,7 +218,7 @@ class Worker:
     if kv is None: return start
     entry = None
     try:
-      entry, _ = kv.lookup(prompt)
+      entry, _ = kv.lookup(prompt, whole=eng.model.max_rewind is not None)
       n = eng.reusable(prompt, entry.tokens.tolist()) if entry is not None else 0
       if entry is not None and n >= start + MIN_DISK_GAIN and (rows := kv.load(entry)) is not None:
         eng.load_kv_rows(entry.tokens[:n].tolist(), rows)
