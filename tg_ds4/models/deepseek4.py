@@ -18,7 +18,8 @@ Per layer the math follows transformers' deepseek_v4 and llama.cpp's deepseek4 g
     its own compressed keys scores `sum_h w_h relu(q_h . k)` and only the top-k rows are attended.
 
 Cache, all device tensors written inside the graph, so one TinyJit-captured decode step with a symbolic `start_pos`
-serves every position and its cost is O(window + compressed rows so far):
+serves every position and its cost is O(window + compressed rows so far); each has one per cache slot (`[slots, ...]`,
+nn/cache_rows.py), a batched step's rows each in their own:
   * raw ring: `window + PREFILL_CHUNK` slots, position p in slot p % slots. The ring is written before attention reads
     it and every read goes through the store (`after`), so a chunk never needs the pre-chunk contents: the slack keeps
     the whole window of the chunk's first query alive. The position each slot holds follows from the last position
