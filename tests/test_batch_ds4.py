@@ -18,13 +18,15 @@ PARALLEL = 2  # batches of 1 and 2 rows (each V4 batch size is a capture of its 
 
 @pytest.fixture(scope="module")
 def ds4():
-  """The V4 fixture's config, a runner with PARALLEL slots (exact numerics) whose single-sequence path (Runner.steps,
-  slot 0) runs the requests alone, and a Batcher over it. One runner: the single-sequence steps share the prefill
-  chunk and first-token steps with the batched ones, and a runner loaded again finds every step in the step cache
-  (a model with one slot runs the same graphs with the slot a constant: tests/test_ds4.py holds those to the
-  references)."""
+  """The V4 fixture's config, a runner with PARALLEL slots (exact numerics) and a Batcher over it. A request run alone
+  is one in a Batcher of its own (steps of one row, nothing reused): every step the tests run is a batched one, so a
+  runner loaded again finds all of them in the step cache (the single-sequence graphs, with the slot a constant, are
+  held to the references by tests/test_ds4.py)."""
   runner = Runner.load(DS4, max_ctx=192, parallel=PARALLEL, numerics="exact")
   return config_of(GGUFFile(DS4)), runner, Batcher(runner)
+
+def _alone(runner: Runner, reqs: list[Request]) -> list:
+  return [Batcher(runner).run([q])[0] for q in reqs]
 
 def test_deepseek4_batched_answers_equal_alone(ds4):
   """DeepSeek V4 (models/deepseek4.py): each row's raw ring, compressor states, compressed rows and indexer keys in its
@@ -32,14 +34,14 @@ def test_deepseek4_batched_answers_equal_alone(ds4):
   the window (32 raw rows), the indexer's top-k (8 of the ratio-4 rows) and the first ratio-128 row; the second wave's
   prompts extend the first's conversations (prompt, answer, a new turn), so slots resume past the answers where the
   rings allow (runner.Runner.reusable); a request cancelled mid-answer frees its slot for the rest."""
-  cfg, single, b, rnd = *ds4, random.Random(11)
+  cfg, runner, b, rnd = *ds4, random.Random(11)
   assert cfg.window < 45 and 4 * cfg.idx_top_k < 45 and 128 in cfg.compress_ratios
   # seeded sampling only (a greedy row is the argmax in the same steps: test_batched_answers_equal_alone): one kind of
   # captured step per batch size
   params = [SamplingParams(temperature=rnd.choice([0.7, 1.3]), top_p=rnd.choice([1.0, 0.9]), seed=c) for c in range(8)]
   first = [Request(tuple(rnd.randrange(cfg.n_vocab) for _ in range(n)), rnd.choice([3, 6]), p, logprobs=5)
            for n, p in zip((3, 150, 14, 45, 30, 70, 5, 130), params)]
-  alone = lambda reqs: [list(single.steps(list(q.prompt), q.max_new, q.params, logprobs=q.logprobs)) for q in reqs]
+  alone = lambda reqs: _alone(runner, reqs)
   want = alone(first)
   second = [Request(q.prompt + tuple(s.token for s in a) + tuple(rnd.randrange(cfg.n_vocab) for _ in range(5)), 4, q.params, logprobs=5)
             for q, a in zip(first, want)]
@@ -56,41 +58,42 @@ def test_deepseek4_batched_answers_equal_alone(ds4):
   _assert_same(alone([second[k] for k in keep]), [got[ids[k]] for k in keep], "deepseek4, second wave")
 
 def test_deepseek4_state_saved_and_restored_across_a_restart(ds4, tmp_path):
-  """serve --kv-cache-dir for V4 (runner.kv_rows / load_kv_rows through server/kvstore.py's file): the state a
-  conversation leaves (rings, compressor states, the complete windows' rows), saved to a file, read back by a new
-  store into a newly loaded runner, continues the next turn exactly as the runner that never stopped (logprobs bit for
-  bit), and as a from-scratch run to float rounding; restored into a slot of a Batcher, the same; a damaged file is
-  skipped with a warning."""
+  """serve --kv-cache-dir for V4 (runner.kv_rows / load_kv_rows through server/kvstore.py's file, the Batcher's restore
+  hook as the server's): the state a conversation leaves in its slot (rings, compressor states, the complete windows'
+  rows), saved to a file and read back by a new store into a newly loaded runner, continues the next turn exactly as
+  the runner that never stopped (logprobs bit for bit), and as a from-scratch run to float rounding; a damaged file
+  is skipped with a warning."""
   import logging
   from tg_ds4.server.kvstore import KVStore, model_fingerprint
-  cfg, single, b = ds4
+  cfg, runner, _ = ds4
   rnd = random.Random(5)
   prompt = [rnd.randrange(cfg.n_vocab) for _ in range(70)]
-  answer = [s.token for s in single.steps(prompt, 4, SamplingParams(0.7, seed=3), logprobs=5)]
-  held = list(single.cached)
+  first = Batcher(runner)
+  answer = [s.token for s in first.run([Request(tuple(prompt), 4, SamplingParams(0.7, seed=3), logprobs=5)])[0]]
+  held = list(first.slot_tokens[0])
   assert held == prompt + answer[:-1]
-  fp = model_fingerprint(DS4, single.cache_layout())
-  KVStore(tmp_path, fp, 1 << 30, 16).save(held, single.kv_rows(len(held)))
-  nxt = held + answer[-1:] + [rnd.randrange(cfg.n_vocab) for _ in range(6)]
-  assert single.reusable(nxt) == len(held)
-  uninterrupted = list(single.steps(nxt, 5, SamplingParams(0.7, seed=4), start_pos=len(held), logprobs=5))
+  fp = model_fingerprint(DS4, runner.cache_layout())
+  KVStore(tmp_path, fp, 1 << 30, 16).save(held, runner.kv_rows(len(held), 0))
+  nxt = Request(tuple(held + answer[-1:] + [rnd.randrange(cfg.n_vocab) for _ in range(6)]), 5, SamplingParams(0.7, seed=4), logprobs=5)
+  def run(b: Batcher) -> tuple[list, int | None]:
+    rid, steps, cached = b.submit(nxt), [], None
+    while b.busy:
+      for e in b.step():
+        if e.rid == rid and e.cached is not None: cached = e.cached
+        if e.step is not None: steps.append(e.step)
+    return steps, cached
+  uninterrupted, cached = run(first)  # the slot still holds the conversation
+  assert cached == len(held)
   store = KVStore(tmp_path, fp, 1 << 30, 16)  # a restart: the store indexes the directory again
-  entry, _ = store.lookup(nxt)
+  entry, _ = store.lookup(list(nxt.prompt), whole=True)
   restarted = Runner.load(DS4, max_ctx=192, parallel=PARALLEL, numerics="exact")
-  restarted.load_kv_rows(entry.tokens.tolist(), store.load(entry))
-  assert restarted.reusable(nxt) == len(held)
-  got = list(restarted.steps(nxt, 5, SamplingParams(0.7, seed=4), start_pos=len(held), logprobs=5))
+  def restore(q, slot, start):
+    restarted.load_kv_rows(entry.tokens.tolist(), store.load(entry), slot)
+    return restarted.reusable(list(q), entry.tokens.tolist())
+  got, cached = run(Batcher(restarted, restore))
+  assert cached == len(held)
   assert [(s.token, s.logprob, s.top) for s in got] == [(s.token, s.logprob, s.top) for s in uninterrupted]
-  _assert_same([list(restarted.steps(nxt, 5, SamplingParams(0.7, seed=4), logprobs=5))], [got],
-               "deepseek4 from scratch")
-  batcher = Batcher(b.runner, lambda q, slot, start: (b.runner.load_kv_rows(entry.tokens.tolist(), store.load(entry), slot), len(held))[1])
-  steps = []
-  batcher.submit(Request(tuple(nxt), 5, SamplingParams(0.7, seed=4), logprobs=5))
-  while batcher.busy:
-    for e in batcher.step():
-      if e.cached is not None: assert e.cached == len(held)
-      if e.step is not None: steps.append(e.step)
-  _assert_same([uninterrupted], [steps], "deepseek4 restored into a slot")
+  _assert_same(_alone(restarted, [nxt]), [got], "deepseek4 from scratch")
   entry.path.write_bytes(entry.path.read_bytes()[:-1] + b"x")
   with pytest.MonkeyPatch.context() as mp:
     warned = []
@@ -107,10 +110,10 @@ def test_deepseek4_serves_two_clients_at_once(ds4):
   except ImportError: import httpx
   from tg_ds4.server.app import build_app, load
   from tg_ds4.server.guard import Allowed
-  _, single, _ = ds4
+  _, runner, _ = ds4
   served = load(str(DS4), max_context=192, warmup=False, numerics="exact", parallel=PARALLEL)
   msgs = [{"role": "user", "content": "Name three rivers"}]
-  want = list(single.steps(served.render(msgs, None), 6, SamplingParams(0.7, seed=9), logprobs=5))
+  want = _alone(runner, [Request(tuple(served.render(msgs, None)), 6, SamplingParams(0.7, seed=9), logprobs=5)])[0]
   async def ask():
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(served, allowed=Allowed("127.0.0.1", frozenset({"test"})))),
                                  base_url="http://test") as http:
