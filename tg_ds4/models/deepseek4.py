@@ -352,13 +352,16 @@ class DS4Attention:
     static caches, the visibility arithmetic on the position there, the indexer's choice stored for it -> `[B, T, H, D]`."""
     cfg, T, R = self.cfg, q.shape[1], self.ratio
     chosen = None
+    # rows of one slot (a verify step's consecutive positions of one sequence) keep their choices in rows of their own
+    first = [T * sum(1 for s2, _ in list(rows)[:b] if s2 is s or (isinstance(s, int) and isinstance(s2, int) and s2 == s))
+             for b, (s, _) in enumerate(rows)]
     if picks is not None:
-      stores = [self.chosen[s:s + 1, :T, :pick.shape[1]].uop.store(pick.cast(dtypes.uint8).reshape(1, T, -1).uop)
-                for (s, _), pick in zip(rows, picks)]
+      stores = [self.chosen[s:s + 1, o:o + T, :pick.shape[1]].uop.store(pick.cast(dtypes.uint8).reshape(1, T, -1).uop)
+                for (s, _), pick, o in zip(rows, picks, first)]
       chosen = Tensor(self.chosen.uop.after(*stores))
     keys = attention_kernel.SinkKeys(R, self.compressor.n_cand(T) if R else 0, ring.shape[1], ring.shape[2], cfg.window, R == 4)
     return Tensor.stack(*[attention_kernel.attention_sinks(q[b], ring, comp, chosen, as_tensor(self.attn_sinks.weight), s, p, keys,
-                                                           cfg.head_dim ** -0.5, unit) for b, (s, p) in enumerate(rows)])
+                                                           cfg.head_dim ** -0.5, unit, first[b]) for b, (s, p) in enumerate(rows)])
 
   def __call__(self, x: Tensor, start_pos: int | UOp | Rows, tabs: Tables) -> Tensor:
     """x `[B, T, dim]`, row b at position pos_b in cache slot slot_b (nn/cache_rows.py's Rows; an int or variable: one

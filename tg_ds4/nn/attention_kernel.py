@@ -200,14 +200,17 @@ class SinkKeys:
   window: int
   selected: bool
 
-def _sink_source(H: int, T: int, D: int, keys: SinkKeys, max_rows: int, chunk: int, scale: float, unit: tuple[int, int], count: int) -> str:
+def _sink_source(H: int, T: int, D: int, keys: SinkKeys, max_rows: int, chunk: int, scale: float, unit: tuple[int, int], count: int,
+                 sel_row: int = 0) -> str:
   """Statement `@R@` (of `count`): query rows [h0, h0 + RB) of token t of `[T, H, D]` Q over the keys of `keys` (the
-  compressed rows @ROWS@, the raw ring @RAW@, the indexer's choice @SEL@ `[chunk, max_rows]`, each of cache slot
-  @SLOT@) -> the same rows of `[T, H, D]` OUT. A block of keys the token sees none of is skipped: taken in, it would leave the sums as they are."""
+  compressed rows @ROWS@, the raw ring @RAW@, the indexer's choice @SEL@ `[chunk, max_rows]` from its row `sel_row`,
+  each of cache slot @SLOT@) -> the same rows of `[T, H, D]` OUT. A block of keys the token sees none of is skipped:
+  taken in, it would leave the sums as they are."""
   (W, registers), KB, k = unit, KEYS_PER_BLOCK, keys
   RB = _rows(H, registers)
   seen = f"(j_ + 1) * {k.ratio} <= qpos_ + 1" + (f" && sel_[(long)t_ * {max_rows} + j_]" if k.selected else "")
   held = f"last_ - ((last_ % {k.slots} + {k.slots} - j_) % {k.slots})"
+  sel_off = f" + {sel_row * max_rows}" if sel_row else ""
   return f"""if (@R@ < {count}) ({{ {_head(W, RB, D, KB)}
   unsigned char vis_[{KB}];
   const int t_ = @R@ / {H // RB}, h0_ = (@R@ % {H // RB}) * {RB};
@@ -215,7 +218,7 @@ def _sink_source(H: int, T: int, D: int, keys: SinkKeys, max_rows: int, chunk: i
   const float *q_ = (const float *)@Q@ + ((long)t_ * {H} + h0_) * {D};
   const float *raw_ = (const float *)@RAW@ + (long)@SLOT@ * {k.slots * k.ring_row};
   const float *rows_ = {f"(const float *)@ROWS@ + (long)@SLOT@ * {max_rows * D}" if k.ratio else "raw_"};
-  {f"const unsigned char *sel_ = (const unsigned char *)@SEL@ + (long)@SLOT@ * {chunk * max_rows};" if k.selected else ""}
+  {f"const unsigned char *sel_ = (const unsigned char *)@SEL@ + (long)@SLOT@ * {chunk * max_rows}{sel_off};" if k.selected else ""}
   for (int i_ = 0; i_ < {RB}; i_++) {{       /* the sink as the first term: its logit the maximum so far, e^0 the sum */
     m_[i_] = ((const float *)@SINK@)[h0_ + i_]; l_[i_] = 1.0f; for (int c_l = 0; c_l < {D}; c_l++) acc_[i_][c_l] = 0.0f; }}
   for (int seg_ = {0 if k.ratio else 1}; seg_ < 2; seg_++) {{
@@ -244,10 +247,11 @@ def sink_applies(q: Tensor, raw: Tensor, rows: Tensor | None, unit: tuple[int, i
     q.shape[-1] % (2 * unit[0]) == 0 and ckernel.bound_variable(start_pos) and ckernel.bound_variable(slot)
 
 def attention_sinks(q: Tensor, raw: Tensor, rows: Tensor | None, sel: Tensor | None, sinks: Tensor, slot: int | UOp, start_pos: int | UOp,
-                    keys: SinkKeys, scale: float, unit: tuple[int, int]) -> Tensor:
+                    keys: SinkKeys, scale: float, unit: tuple[int, int], sel_row: int = 0) -> Tensor:
   """q `[T, H, D]` (token t at position start_pos + t) over V4's keys (`SinkKeys`) in cache slot `slot`: `raw` the rings
   `[cache slots, slots, ring_row]` (a key in its first D floats), `rows` the compressed-row caches `[cache slots,
-  max_rows, D]`, `sel` the indexer's choices `[cache slots, chunk, max_rows]` (uint8, rows [0, T) written), `sinks`
+  max_rows, D]`, `sel` the indexer's choices `[cache slots, chunk, max_rows]` (uint8, rows [sel_row, sel_row + T)
+  written: several rows of one slot in a step each have their own), `sinks`
   `[H]` -> `[T, H, D]`: softmax over the visible keys and the sink of (q k^T * scale), times the keys, float32. The
   sums run in this module's order (see the docstring)."""
   (T, H, D), max_rows = q.shape, rows.shape[1] if rows is not None else 0
@@ -260,7 +264,8 @@ def attention_sinks(q: Tensor, raw: Tensor, rows: Tensor | None, sel: Tensor | N
   if rows is not None: srcs["ROWS"] = rows.flatten()
   if sel is not None: srcs["SEL"] = sel.flatten()
   scalars = {"POS": start_pos, "SLOT": slot}
-  body = ckernel.format_string(_sink_source(H, T, D, keys, max_rows, chunk, scale, unit, count), [*srcs, *scalars, "R"])
+  assert sel is None or sel_row + T <= chunk, f"indexer choice rows [{sel_row}, {sel_row + T}) past the {chunk} kept per slot"
+  body = ckernel.format_string(_sink_source(H, T, D, keys, max_rows, chunk, scale, unit, count, sel_row), [*srcs, *scalars, "R"])
   def kernel(*params: UOp) -> UOp:
     bufs, vals = params[:len(srcs)], params[len(srcs):]
     t, i = UOp.range(threads, 0, AxisType.THREAD), UOp.range(per, 1)

@@ -38,7 +38,7 @@ from tg_ds4.nn.cache_rows import Rows
 from tg_ds4.quant import activations, formats, settings
 from tg_ds4.runtime import stepcache
 from tg_ds4.runtime.jit import Jit
-from tg_ds4.runtime.sampling import SamplingParams, greedy, inputs, rng, sample
+from tg_ds4.runtime.sampling import SamplingParams, distribution, greedy, inputs, rng, sample
 
 MAX_TOP_LOGPROBS = 20
 TOP_LOGPROBS_BUCKETS = (0, 5, MAX_TOP_LOGPROBS)  # k is rounded up to one of these and the extra entries dropped on the host
@@ -50,6 +50,10 @@ class Stats:
   prefill_s: float = 0.0
   decode_s: float = 0.0
   first_token_s: float = 0.0
+  drafted: int = 0   # speculative decoding (runtime/speculative.py): tokens a draft proposed
+  accepted: int = 0  # and how many of them the target kept
+  @property
+  def acceptance(self) -> float: return self.accepted / self.drafted if self.drafted else 0.0
   @property
   def prefill_tps(self) -> float: return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
   @property
@@ -217,6 +221,50 @@ class Runner:
       return (nxt if k is None else _with_logprobs(logits, nxt, k)).realize()
     return self._step(name, step)
 
+  def verify(self, tokens: list[int], pos: int, slot: int = 0, sampling: tuple = ()) -> np.ndarray:
+    """Tokens at consecutive positions pos.. of one sequence in one step, each row in the batched step's form
+    (speculative decoding's check, runtime/speculative.py): per row the greedy next token `[B]`, or with `sampling`
+    (params.tensors()) the distribution `sample` draws from, `[B, vocab]`. Every row's cache row is stored before any
+    row attends, so row i sees rows pos..pos+i of this step, and computes what the per-token step computes at its
+    position (bit for bit under the default numerics on quantized weights; docs/numerics.md). The rows past the ones
+    the caller keeps (`forget`) are stale: the next step at that position overwrites them before any query reads them."""
+    B = len(tokens)
+    if not 0 < B <= self.model.PREFILL_CHUNK: raise ValueError(f"a verify step takes 1..{self.model.PREFILL_CHUNK} tokens, got {B}")
+    if pos + B > self.model.max_ctx: raise ValueError(f"{pos + B} tokens exceed the context of {self.model.max_ctx}")
+    args = [self._tok(t, f"token{i}") for i, t in enumerate(tokens)] + [self._pos(pos + i, f"pos{i}") for i in range(B)]
+    if self.model.slots > 1: args.append(self._slot(slot))
+    out = host_array(self._verify(B, not sampling)(*args, *sampling))
+    if slot == 0: self.cached = self.cached[:pos] + list(tokens)
+    return out[:, 0] if not sampling else out
+
+  def _verify(self, B: int, is_greedy: bool) -> Jit:
+    """The captured verify step of B rows: B token and position variables (and the slot variable with slots, shared by
+    every row) -> the greedy ids `[B, 1]`, or with the sampling parameters the distributions `[B, vocab]`."""
+    if (j := self._jits.get(name := f"verify-{B}-{'greedy' if is_greedy else 'dist'}")) is not None: return j
+    m = self.model
+    def step(*args):
+      slots, sargs = ((0,) * B, args[2 * B:]) if m.slots == 1 else ((args[2 * B],) * B, args[2 * B + 1:])
+      logits = m.forward(list(args[:B]), Rows(slots, tuple(args[B:2 * B])), last_only=True)[:, -1]  # [B, vocab]
+      return (greedy(logits) if is_greedy else distribution(logits, *sargs)).realize()
+    return self._step(name, step)
+
+  def next_distribution(self, token: int, pos: int, sampling: tuple) -> np.ndarray:
+    """One token at `pos` through the per-token step -> the distribution `[vocab]` `sample` would draw the next token
+    from under `sampling` (params.tensors()): a draft model's proposal (runtime/speculative.py)."""
+    if (j := self._jits.get("dist")) is None:
+      m, nw = self.model, len(self._where(0))
+      def step(tok, *args):
+        logits = m.forward(tok, self._start(*args[:nw]), last_only=True)[:, -1]
+        return distribution(logits, *args[nw:]).realize()
+      j = self._step("dist", step)
+    out = host_array(j(self._tok(token), *self._where(pos), *sampling))
+    self._wrote(token, pos)
+    return out[0]
+
+  def forget(self, n: int) -> None:
+    """Slot 0's cache rows past the first n are stale (drafted tokens the target did not accept)."""
+    del self.cached[n:]
+
   def _wrote(self, token: int, pos: int) -> None:
     """The cache row of `pos` now holds `token` (rows past it are stale). In place: generation calls it per token."""
     del self.cached[pos:]
@@ -333,29 +381,43 @@ class Runner:
     """Yield up to `max_new` token ids after `prompt` (whose first `start_pos` tokens are already in the cache)."""
     for s in self.steps(prompt, max_new, params, stop, start_pos): yield s.token
 
-  def steps(self, prompt: list[int], max_new: int, params: SamplingParams = GREEDY, stop: set[int] = frozenset(),
-            start_pos: int = 0, logprobs: int | None = None) -> Iterator[Step]:
-    """`generate` yielding Steps; `logprobs` = k (0..20) adds each token's logprob and the k most likely alternatives,
-    computed inside the captured step. A caller that stops resuming the iterator cancels the rest (nothing runs ahead)."""
+  def begin(self, prompt: list[int], max_new: int, start_pos: int = 0) -> int:
+    """Check a generation of up to `max_new` tokens after `prompt` (its first `start_pos` tokens in the cache) and reset
+    the stats; the number of tokens it may generate within the context."""
     m, n = self.model, len(prompt)
     if n == 0: raise ValueError("empty prompt")
     if n + max_new > m.max_ctx: max_new = m.max_ctx - n
     if max_new <= 0: raise ValueError(f"prompt of {n} tokens leaves no room in the context of {m.max_ctx}")
-    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS: raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
     self._check(n - start_pos, start_pos)
+    self.stats = Stats(prompt_tokens=n - start_pos)
+    self.cached = list(prompt[:start_pos])  # rows past start_pos are about to be overwritten
+    return max_new
+
+  def first_token(self, prompt: list[int], start_pos: int, params: SamplingParams, sampling: tuple, k: int | None) -> Tensor:
+    """Prefill prompt[start_pos:] (chunks, and a short tail through the per-token step) -> the first new token's step
+    output on the device: its id `[1, 1]`, or with k logprobs the row of _with_logprobs."""
+    n = len(prompt)
+    sizes, fed = self.prefill_plan(n - start_pos, FEED_TOKENS)
+    if sizes: out = self.prefill_chunks(prompt[start_pos:n - fed], start_pos, sizes)
+    if fed:  # the tail token by token; the last one's step gives the first new token
+      for p in range(n - fed, n): tok = self.next_token(prompt[p], p, params, sampling, k)
+    else: tok = self.head_step(params.greedy, k)(out, *sampling)
+    self.cached = list(prompt)
+    return tok
+
+  def steps(self, prompt: list[int], max_new: int, params: SamplingParams = GREEDY, stop: set[int] = frozenset(),
+            start_pos: int = 0, logprobs: int | None = None) -> Iterator[Step]:
+    """`generate` yielding Steps; `logprobs` = k (0..20) adds each token's logprob and the k most likely alternatives,
+    computed inside the captured step. A caller that stops resuming the iterator cancels the rest (nothing runs ahead)."""
+    max_new = self.begin(prompt, max_new, start_pos)
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS: raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
     seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
     sp = params.tensors()
     sampling = lambda step: () if params.greedy else (*sp, rng(seed, step))
     k = next(b for b in TOP_LOGPROBS_BUCKETS if b >= logprobs) if logprobs is not None else None  # few distinct k: few captured steps
-    self.stats = st = Stats(prompt_tokens=n - start_pos)
-    self.cached = list(prompt[:start_pos])  # rows past start_pos are about to be overwritten
+    st, n = self.stats, len(prompt)
     t0 = time.perf_counter()
-    sizes, fed = self.prefill_plan(n - start_pos, FEED_TOKENS)
-    if sizes: out = self.prefill_chunks(prompt[start_pos:n - fed], start_pos, sizes)
-    if fed:  # the tail token by token; the last one's step gives the first new token
-      for p in range(n - fed, n): tok = self.next_token(prompt[p], p, params, sampling(0), k)
-    else: tok = self.head_step(params.greedy, k)(out, *sampling(0))
-    self.cached = list(prompt)
+    tok = self.first_token(prompt, start_pos, params, sampling(0), k)
     for i in range(max_new):
       s = Step(int(host_array(tok).item())) if logprobs is None else Step.from_row(host_array(tok)[0], k, logprobs)
       # the clocks read once the token is on the host: a GPU runs the launched steps asynchronously

@@ -73,10 +73,8 @@ def greedy(logits: Tensor) -> Tensor:
   """logits `[B, V]` -> `[B, 1]` int32."""
   return logits.argmax(-1, keepdim=True).cast(dtypes.int32)
 
-def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, rng: Tensor) -> Tensor:
-  """logits `[B, V]` -> `[B, 1]` int32 sampled token ids. Parameters are `(1,)` tensors (see SamplingParams.tensors)
-  or `(B,)` ones (a row each), `rng` the `(2,)` uint32 (seed, step) or `[B, 2]`."""
-  logits = logits.float()
+def _kept(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
+  """The `[B, V]` mask of the tokens the filters keep: top-k, top-p, min-p on the raw distribution, in that order."""
   lmax, lmin = logits.max(-1, keepdim=True), logits.min(-1, keepdim=True)
   # top-k: the k-th largest logit is the largest t with count(logits >= t) >= k (k = 0 keeps everything)
   k = top_k.reshape(-1, 1)
@@ -89,7 +87,19 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, mi
   t_p = _bisect(Tensor.zeros_like(pmax), pmax, lambda t: (p >= t).where(p, 0.0).sum(-1, keepdim=True) >= top_p.reshape(-1, 1))
   keep = keep & ((top_p.reshape(-1, 1) >= 1.0) | (p >= t_p))
   # min-p: drop tokens below min_p times the most probable one
-  keep = keep & (p >= min_p.reshape(-1, 1) * pmax)
+  return keep & (p >= min_p.reshape(-1, 1) * pmax)
+
+def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, rng: Tensor) -> Tensor:
+  """logits `[B, V]` -> `[B, 1]` int32 sampled token ids. Parameters are `(1,)` tensors (see SamplingParams.tensors)
+  or `(B,)` ones (a row each), `rng` the `(2,)` uint32 (seed, step) or `[B, 2]`."""
+  logits = logits.float()
+  keep = _kept(logits, top_k, top_p, min_p)
   # temperature, then a Gumbel-max draw: argmax(l/T - log(-log u)) samples softmax(l/T)
   g = -(-uniform(logits.shape, rng).log()).log()
   return keep.where(logits / temperature.reshape(-1, 1) + g, float("-inf")).argmax(-1, keepdim=True).cast(dtypes.int32)
+
+def distribution(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
+  """logits `[B, V]` -> `[B, V]` float32: the distribution `sample` draws from (the kept tokens' softmax(l / T), zero
+  elsewhere), for speculative decoding's acceptance rule (runtime/speculative.py)."""
+  logits = logits.float()
+  return _kept(logits, top_k, top_p, min_p).where(logits / temperature.reshape(-1, 1), float("-inf")).softmax(-1)
