@@ -7,15 +7,18 @@ from tg_ds4.tools import bench
 
 def test_bench_report_fields():
   path = pathlib.Path(__file__).parent / "fixtures" / "deepseek2" / "ds3" / "ds3-Q4_0.gguf"
-  r = bench.run(str(path), prompt_tokens=8, gen=4, repeat=1)
+  r = bench.run(str(path), prompt_tokens=8, gen=4, repeat=1, speculative=2, draft=str(path))
   t = r["tg_ds4"]
   assert t["prefill_tps"] > 0 and t["decode_tps"] > 0 and t["ms_per_token"] > 0
   assert t["kernels_per_step"] >= 3 * 16 and t["bytes_per_step"] > 0  # 3 blocks of >= 16 kernels each
   assert 0 < t["bandwidth_fraction"] < 1 and r["read_gbps"] > 0
   assert r["threads"] == engine_threads()  # the roofline is read with the engine's threads
   assert r["model_bytes"] == path.stat().st_size and t["peak_rss"] >= 1 << 20
+  # speculation with the model drafting for itself: every draft accepted, the mechanism's ceiling against plain decode
+  sp = r["speculative"]
+  assert sp["k"] == 2 and sp["acceptance"] == 1.0 and sp["decode_tps"] > 0 and sp["vs_plain"] == sp["decode_tps"] / sp["plain_decode_tps"]
   text = bench.format_text(r)
-  assert "kernels/step" in text and "GB/s" in text and "peak RSS" in text
+  assert "kernels/step" in text and "GB/s" in text and "peak RSS" in text and "100% accepted" in text
 
 def test_llama_cpp_build_flags_per_cpu_kind():
   """The CMake options bench names for building llama.cpp: this CPU's vector extensions, never GGML_NATIVE, AMX off

@@ -29,6 +29,11 @@ def tg(*args, timeout=600):
   (["serve", "-m", DS3, "--host", "no-such-host.invalid", "--port", "0"], "--host no-such-host.invalid --port 0: cannot listen there"),
   (["serve", "-m", DS3, "--served-model-name", " "], "--served-model-name ' ': give a non-empty printable name"),
   (["generate", "-m", DS3, "-p", "hi", "--quantize", "q4_0"], "--quantize applies to checkpoint folders; a GGUF file is used as it is"),
+  (["generate", "-m", DS3, "-p", "hi", "--speculative", "2"], "has nothing to draft with (no multi-token-prediction layers): pass --draft MODEL"),
+  (["generate", "-m", DS3, "-p", "hi", "--speculative", "2", "--draft", str(FIX / "deepseek4/flash/flash-MXFP4.gguf")],
+   "cannot draft for " + DS3 + ": its vocabulary differs (token 2 is"),
+  (["generate", "-m", DS3, "-p", "hi", "--speculative", "17", "--draft", DS3], "--speculative must be in [1, 16], got 17"),
+  (["bench", "-m", DS3, "--speculative", "2"], "--speculative needs --draft MODEL"),
   (["generate", "-m", str(FIX / "gpt2/gpt2-Q8_0.gguf"), "-p", "hi", "--max-context", "300"],
    "learned positions (position_embd) for 128 tokens, a context of 300 was asked for"),
 ])

@@ -91,22 +91,51 @@ def cmd_probe(args) -> int:
   return 0
 
 def _load(args):
+  """The -m model's file, its runner, tokenizer and (with --speculative) the draft model's drafter."""
   from tg_ds4.models.families import default_context
   from tg_ds4.runtime.runner import Runner
+  from tg_ds4.runtime.speculative import DraftModel
   from tg_ds4.text.tokenizer import Tokenizer
   gf = _open(args)
-  return gf, Runner.load(gf, max_ctx=args.max_context or default_context(gf), numerics=args.numerics), \
-    Tokenizer.from_gguf(gf)
+  dgf = _draft_file(args, gf)
+  runner = Runner.load(gf, max_ctx=args.max_context or default_context(gf), numerics=args.numerics)
+  drafter = None if dgf is None else DraftModel(Runner.load(dgf, max_ctx=runner.model.max_ctx, numerics=args.numerics))
+  return gf, runner, Tokenizer.from_gguf(gf), drafter
 
 def _sampling(args):
   from tg_ds4.runtime.sampling import SamplingParams
   try: return SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
   except ValueError as e: raise UsageError(str(e)) from None
 
-def _stream(runner, tok, ids, args, sp, out=sys.stdout) -> list[int]:
+MAX_SPECULATIVE = 16  # drafts checked per step: a verify step holds k + 1 rows
+
+def _draft_file(args, gf):
+  """--speculative K's draft model, opened (None without --speculative), checked before any model loads: a file with
+  nothing to draft with, or a draft of another vocabulary, is a usage error."""
+  if not getattr(args, "speculative", 0): return None
+  if not 1 <= args.speculative <= MAX_SPECULATIVE: raise UsageError(f"--speculative must be in [1, {MAX_SPECULATIVE}], got {args.speculative}")
+  if args.draft is None:
+    arch = gf.get("general.architecture")
+    mtp = int(gf.get(f"{arch}.nextn_predict_layers", 0) or 0)
+    raise UsageError(f"{args.model}: --speculative needs a draft: this file's {mtp} multi-token-prediction layers cannot draft yet; pass "
+                     "--draft MODEL" if mtp else f"{args.model} has nothing to draft with (no multi-token-prediction layers): pass --draft MODEL, "
+                     "a smaller model of the same vocabulary")
+  from tg_ds4.io.hf_folder import open_model
+  from tg_ds4.io.registry import resolve
+  from tg_ds4.runtime.speculative import vocab_mismatch
+  dgf = open_model(resolve(args.draft), getattr(args, "quantize", None))
+  if (why := vocab_mismatch(gf.metadata, dgf.metadata)) is not None:
+    raise UsageError(f"--draft {args.draft} cannot draft for {args.model}: its vocabulary differs ({why})")
+  return dgf
+
+def _stream(runner, tok, ids, args, sp, out=sys.stdout, drafter=None) -> list[int]:
+  from tg_ds4.runtime.speculative import speculate
   from tg_ds4.text.tokenizer import StreamDecoder
   dec, got = StreamDecoder(tok), []
-  for t in runner.generate(ids, args.n_predict, sp, stop=set(tok.stop_ids)):
+  stop = set(tok.stop_ids)
+  tokens = runner.generate(ids, args.n_predict, sp, stop=stop) if drafter is None else \
+    speculate(runner, drafter, ids, args.n_predict, args.speculative, sp, stop=stop)
+  for t in tokens:
     got.append(t)
     if t in tok.stop_ids: break
     out.write(dec.feed(t)); out.flush()
@@ -121,14 +150,15 @@ def cmd_generate(args) -> int:
   if not args.prompt: raise UsageError("the prompt is empty (-p TEXT)")
   _n_predict(args)
   sp = _sampling(args)
-  gf, runner, tok = _load(args)
+  gf, runner, tok, drafter = _load(args)
   template = Template.from_gguf(gf) if args.chat else None
   text = template.render([{"role": "user", "content": args.prompt}]) if template else args.prompt
   ids = tok.encode(text, add_special=template.encode_add_special(text) if template else True, parse_special=args.chat)  # no double BOS
   if len(ids) >= runner.model.max_ctx: raise UsageError(f"the prompt is {len(ids)} tokens; the context holds {runner.model.max_ctx} (--max-context)")
-  _stream(runner, tok, ids, args, sp)
+  _stream(runner, tok, ids, args, sp, drafter=drafter)
   st = runner.stats
-  print(f"\n[prefill {st.prompt_tokens} tokens at {st.prefill_tps:.1f} tok/s, decode {st.generated} tokens at {st.decode_tps:.2f} tok/s; "
+  spec = f", {st.accepted} of {st.drafted} drafts accepted ({100 * st.acceptance:.0f}%)" if drafter is not None else ""
+  print(f"\n[prefill {st.prompt_tokens} tokens at {st.prefill_tps:.1f} tok/s, decode {st.generated} tokens at {st.decode_tps:.2f} tok/s{spec}; "
         f"a first run includes compiling the kernels]", file=sys.stderr)
   return 0
 
@@ -142,7 +172,8 @@ def cmd_chat(args) -> int:
   from tg_ds4.text.chat_template import Template, assistant_message
   _n_predict(args)
   sp = _sampling(args)
-  gf, runner, tok = _load(args)
+  gf, runner, tok, drafter = _load(args)
+  from tg_ds4.runtime.speculative import speculate
   template, messages, max_ctx = Template.from_gguf(gf), [], runner.model.max_ctx
   print(f"chat with {gf.get('general.name') or gf.path.name} (Ctrl-C stops a reply, Ctrl-D quits)", file=sys.stderr)
   while True:
@@ -161,7 +192,9 @@ def cmd_chat(args) -> int:
     from tg_ds4.text.tokenizer import StreamDecoder
     dec = StreamDecoder(tok)
     try:
-      for t in runner.generate(ids, args.n_predict, sp, stop=set(tok.stop_ids), start_pos=start):
+      gen = runner.generate(ids, args.n_predict, sp, stop=set(tok.stop_ids), start_pos=start) if drafter is None else \
+        speculate(runner, drafter, ids, args.n_predict, args.speculative, sp, stop=set(tok.stop_ids), start_pos=start)
+      for t in gen:
         if t in tok.stop_ids: break
         reply.append(t); sys.stdout.write(dec.feed(t)); sys.stdout.flush()
       sys.stdout.write(dec.flush())
@@ -178,8 +211,10 @@ def cmd_bench(args) -> int:
                        "pip install llama-cpp-python==0.3.36")
   if args.prompt_tokens < 1 or args.gen < 2 or args.repeat < 1: raise UsageError("--prompt-tokens >= 1, --gen >= 2 and --repeat >= 1")
   if not 1 <= args.parallel <= 8: raise UsageError("--parallel must be in [1, 8]")
+  if args.speculative and not 1 <= args.speculative <= MAX_SPECULATIVE: raise UsageError(f"--speculative must be in [1, {MAX_SPECULATIVE}]")
+  if args.speculative and args.draft is None: raise UsageError("--speculative needs --draft MODEL (the model itself measures the ceiling)")
   try: r = bench.run(args.model, args.prompt_tokens, args.gen, args.repeat, args.vs_llama_cpp, args.quantize, args.parallel,
-                    args.numerics)
+                    args.numerics, args.speculative, args.draft)
   except bench.BenchError as e: raise UsageError(str(e)) from None
   print(json.dumps(r, indent=1) if args.json else bench.format_text(r))
   return 0
@@ -304,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("-p", "--prompt", required=True, help="the prompt text")
   s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user message")
   sampling_args(s)
+  add_speculative(s)
   s.set_defaults(fn=cmd_generate)
   s = sub.add_parser("chat", help="interactive multi-turn chat using the model's template")
   s.add_argument("-m", "--model", default="smollm2", help="a .gguf file, a Hugging Face checkpoint folder or a short model name (default smollm2)")
@@ -313,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--think", action=argparse.BooleanOptionalAction, default=None,
                  help="reasoning on/off (template variables thinking / enable_thinking; default: the template's own)")
   sampling_args(s)
+  add_speculative(s)
   s.set_defaults(fn=cmd_chat)
   s = sub.add_parser("probe", help="per-layer activations, MoE routing and a logit lens for a prompt, as .npy/JSON/PNG files")
   s.add_argument("-m", "--model", required=True, help="a .gguf file, a Hugging Face checkpoint folder or a short model name")
@@ -342,6 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--vs-llama-cpp", action="store_true", help="also run llama.cpp (llama-cpp-python) on the same file and tokens")
   s.add_argument("--parallel", type=int, default=1, help="also decode N streams at once (batched steps): aggregate and per-stream tok/s, "
                  "time to first token under load")
+  add_speculative(s)
   s.set_defaults(fn=cmd_bench)
   s = sub.add_parser("profile", help="time one decode step (and a prefill chunk) kernel by kernel, by block and op; CSV/JSON/PNG")
   s.add_argument("-m", "--model", default="smollm2", help="a .gguf file, a Hugging Face checkpoint folder or a short model name (default smollm2)")
@@ -391,6 +429,12 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--clear", action="store_true", help="delete every entry")
   s.set_defaults(fn=cmd_cache)
   return p
+
+def add_speculative(s: argparse.ArgumentParser) -> None:
+  s.add_argument("--speculative", type=int, default=0, metavar="K",
+                 help="speculative decoding: the draft proposes K tokens, the model checks them in one step (greedy: the same "
+                      "tokens as without it; sampled: the same distribution)")
+  s.add_argument("--draft", metavar="MODEL", help="--speculative's draft: a smaller model of the same vocabulary (a file, folder or name)")
 
 def add_beam(s: argparse.ArgumentParser) -> None:
   s.add_argument("--beam", type=int, default=0, metavar="N",

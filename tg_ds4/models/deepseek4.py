@@ -261,11 +261,17 @@ class Compressor:
     new = getattr(self, f"{self.name}_kv")(x).contiguous().cat(getattr(self, f"{self.name}_gate")(x).contiguous() + ape, dim=-1)
     st = ring_write(self.state, new, rows)                                         # [slots, S, 2*coff*D]: kv | score
     nb, F, stores = st.shape[1] // R, coff * D, []
+    # rows of one slot (a verify step's consecutive positions of one sequence) touch their windows as one chunk would:
+    # each window's candidate pooled once from the post-store state ring, not stored by several rows
+    runs: list[list] = []
     for slot, start_pos in rows:
+      if runs and runs[-1][0] is slot: runs[-1][2] += T
+      else: runs.append([slot, start_pos, T])
+    for slot, start_pos, count in runs:
       w0 = start_pos // R
       block = lambda w, slot=slot: st[slot:slot + 1, (w % nb) * R:(w % nb) * R + R]  # the R state rows of window w
       vals, scores = [], []
-      for i in range(n := self.n_cand(T)):
+      for i in range(n := self.n_cand(count)):
         cur = block(w0 + i)
         if coff == 1: vals.append(cur[..., :D]); scores.append(cur[..., F:F + D]); continue
         prev = block(w0 + i + nb - 1)

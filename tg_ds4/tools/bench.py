@@ -119,6 +119,31 @@ def bench_parallel(path, prompt: list[int], gen: int, repeat: int, n: int, numer
   return {"parallel": n, "aggregate_decode_tps": n / step, "per_stream_decode_tps": 1 / step, "ms_per_step": 1000 * step,
           "kernels_per_step": kernels, "bytes_per_step": nbytes, "ttft_idle_s": idle, "ttft_loaded_s": loaded}
 
+class SpeculativeSide:
+  """TgSide's runner decoding with speculation (runtime/speculative.py): `draft` proposes k tokens per verify step. The
+  rate is tokens over the whole decode (steps are uneven: each round emits 1..k+1 tokens), set against plain decode's
+  over the same tokens; the acceptance is the share of drafts kept."""
+  def __init__(self, tg: TgSide, draft, k: int, numerics: str):
+    from tg_ds4.runtime.speculative import DraftModel
+    self.tg, self.k, self.rates, self.acceptance = tg, k, [], []
+    self.drafter = DraftModel(Runner.load(draft, max_ctx=tg.runner.model.max_ctx, numerics=numerics))
+    for _ in range(2): self._run(8)  # compile + capture the draft's steps and the verify step
+
+  def _run(self, n: int):
+    from tg_ds4.runtime.speculative import speculate
+    for _ in speculate(self.tg.runner, self.drafter, self.tg.prompt, n, self.k): pass
+    return self.tg.runner.stats
+
+  def once(self) -> None:
+    st = self._run(self.tg.gen)
+    self.rates.append(st.decode_tps); self.acceptance.append(st.acceptance)
+
+  def result(self) -> dict:
+    plain = len(self.tg.steps) / sum(self.tg.steps)
+    rate = statistics.median(self.rates)
+    return {"k": self.k, "decode_tps": rate, "plain_decode_tps": plain, "vs_plain": rate / plain,
+            "acceptance": statistics.median(self.acceptance)}
+
 class LlamaSide:
   """llama.cpp's side, as TgSide's: the same prompt tokens, threads and context; the first repeat is its warm-up."""
   def __init__(self, path, prompt: list[int], gen: int, threads: int):
@@ -252,7 +277,7 @@ class BenchError(ValueError):
   """Settings that cannot run on this model (reported as a usage error)."""
 
 def run(model: str, prompt_tokens: int = 128, gen: int = 64, repeat: int = 3, vs_llama_cpp: bool = False, quantize: str | None = None,
-        parallel: int = 1, numerics: str = settings.DEFAULT_NUMERICS) -> dict:
+        parallel: int = 1, numerics: str = settings.DEFAULT_NUMERICS, speculative: int = 0, draft: str | None = None) -> dict:
   path = resolve(model)
   gf = open_model(path, quantize)
   if vs_llama_cpp and isinstance(gf, Checkpoint): raise BenchError(f"{path}: --vs-llama-cpp runs llama.cpp on a GGUF file, not a checkpoint folder")
@@ -265,12 +290,19 @@ def run(model: str, prompt_tokens: int = 128, gen: int = 64, repeat: int = 3, vs
          "threads": engine_threads(), "beam": int(os.environ.get("JITBEAM", 0)), "numerics": activations.effective(numerics, Device.DEFAULT)}
   # the batched run first: a model without slots fails at once
   if parallel > 1: res["parallel"] = bench_parallel(gf, prompt, gen, repeat, parallel, numerics)
+  if speculative:
+    from tg_ds4.runtime.speculative import vocab_mismatch
+    dgf = open_model(resolve(draft), quantize)
+    if (why := vocab_mismatch(gf.metadata, dgf.metadata)) is not None: raise BenchError(f"{draft} cannot draft for {model}: {why}")
   tg = TgSide(gf, prompt, gen, numerics)
+  spec = SpeculativeSide(tg, dgf, speculative, numerics) if speculative else None
   ll = LlamaProcess(path, prompt, gen, res["threads"], parallel, repeat) if vs_llama_cpp else None  # the same threads
   for _ in range(repeat):
     tg.once()
+    if spec is not None: spec.once()
     if ll is not None: ll.once()
   res["tg_ds4"], res["model_bytes"] = tg.result(), model_bytes(path)
+  if spec is not None: res["speculative"] = spec.result() | {"draft": draft}
   res["device"] = Device.DEFAULT
   if parallel > 1: res["parallel"]["vs_one_stream"] = res["parallel"]["aggregate_decode_tps"] / res["tg_ds4"]["decode_tps"]
   if on_cpu(None):  # the host's streaming read is the CPU's roofline; a GPU's memory is another
@@ -304,6 +336,11 @@ def format_text(r: dict) -> str:
               f"{p['bytes_per_step'] / 1e6:.1f} MB/step)",
               f"             time to first token of an 8-token request: {1000 * p['ttft_idle_s']:.0f} ms idle, "
               f"{1000 * p['ttft_loaded_s']:.0f} ms beside {p['parallel'] - 1} generations ({p['ttft_loaded_s'] / p['ttft_idle_s']:.2f}x)"]
+  if "speculative" in r:
+    sp = r["speculative"]
+    lines += [f"  speculative decode {sp['decode_tps']:7.2f} tok/s with {sp['draft']} drafting {sp['k']} tokens a step, "
+              f"{100 * sp['acceptance']:.0f}% accepted: {sp['vs_plain']:.2f}x plain decode's {sp['plain_decode_tps']:.2f} tok/s "
+              "(whole decodes, the same tokens)"]
   if "llama_cpp" in r:
     lc = r["llama_cpp"]
     lines += [f"  llama.cpp  prefill {lc['prefill_tps']:8.1f} tok/s   decode {lc['decode_tps']:7.2f} tok/s ({lc['ms_per_token']:.1f} ms/token), "
