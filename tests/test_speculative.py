@@ -12,7 +12,7 @@ from tg_ds4.runtime.sampling import SamplingParams, distribution, sample
 from tg_ds4.runtime.speculative import DraftModel, accept_sampled, draw, speculate
 
 FIX = pathlib.Path(__file__).parent / "fixtures"
-CTX, N = 96, 40
+CTX, N = 64, 40  # CTX: test_stepcache's, whose steps of the same files and settings these runners load when it ran first
 
 def _prompt(n_vocab: int, n: int) -> list[int]: return [(x * 7919 + 13) % n_vocab for x in range(n)]
 
