@@ -328,7 +328,7 @@ def format_text(r: dict) -> str:
            + (f"= {100 * t['bandwidth_fraction']:.1f}% of this machine's {r['read_gbps']:.1f} GB/s streaming read on {r['threads']} threads"
               if "read_gbps" in r else f"on {r.get('device', '?')} (launches counted as tinygrad replays them: a GPU graph is one)"),
            f"             peak RSS {t['peak_rss'] / 1e9:.2f} GB = {t['peak_rss'] / r['model_bytes']:.2f}x the {r['model_bytes'] / 1e9:.2f} GB "
-           "model (its mapped pages that were touched included)"]
+           "model (its mapped pages that were touched included" + (", and the draft model's" if "speculative" in r else "") + ")"]
   if "parallel" in r:
     p = r["parallel"]
     lines += [f"  {p['parallel']} streams  decode {p['aggregate_decode_tps']:7.2f} tok/s together ({p['vs_one_stream']:.2f}x one stream), "
