@@ -87,3 +87,20 @@ def test_sampled_acceptance_keeps_the_target_distribution():
   assert counts[want == 0].sum() == 0
   chi = ((counts - want)[want > 0] ** 2 / want[want > 0]).sum()
   assert chi < 44.3, chi  # 16 possible pairs (15 degrees of freedom) at most: p = 0.0001
+
+def test_a_request_running_alone_in_a_batcher_speculates():
+  """serve's slots: a greedy request that is the only one with a token to feed decodes speculatively (the ds3 fixture
+  drafted by its Q8_0, k = 3) and answers what it answers through the batched steps; two requests at once take the
+  batched steps until the shorter ends, then the other speculates."""
+  from tg_ds4.runtime.batcher import Batcher, Request
+  runner = Runner.load(FIX / "deepseek2/ds3/ds3-Q4_0.gguf", max_ctx=CTX, parallel=2)
+  d = DraftModel(Runner.load(FIX / "deepseek2/ds3/ds3-Q8_0.gguf", max_ctx=CTX))
+  V = runner.model.cfg.n_vocab
+  reqs = [Request(tuple(_prompt(V, 12)), 36), Request(tuple(_prompt(V, 9)[::-1]), 12)]
+  tokens = lambda steps: [[s.token for s in r] for r in steps]
+  plain = [tokens(Batcher(runner).run([q]))[0] for q in reqs]
+  b = Batcher(runner, drafter=d, speculative=3)
+  assert [tokens(b.run([q]))[0] for q in reqs] == plain
+  assert 0 < b.accepted < b.drafted
+  drafted = b.drafted
+  assert tokens(b.run(reqs)) == plain and b.drafted > drafted

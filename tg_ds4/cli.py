@@ -257,7 +257,7 @@ def cmd_serve(args) -> int:
   if not (args.head_timeout > 0 and args.body_timeout > 0): raise UsageError("--head-timeout, --body-timeout: > 0 seconds")
   from tg_ds4.runtime.runner import BATCHES
   if args.parallel is not None and not 1 <= args.parallel <= BATCHES[-1]: raise UsageError(f"--parallel must be in [1, {BATCHES[-1]}]")
-  _open(args)  # a missing or unreadable model file is reported before anything binds or loads
+  _draft_file(args, _open(args))  # a missing or unreadable model file (or draft) is reported before anything binds or loads
   args.parallel = args.parallel or DEFAULT_PARALLEL
   try: sock = bind(args.host, args.port)  # before the model loads: a bad address or a taken port is reported at once
   except BindError as e: raise UsageError(str(e)) from None
@@ -409,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--parallel", type=int, default=None, metavar="N",
                  help=f"requests generated at once, each in its own cache slot (default {DEFAULT_PARALLEL}); more wait in the queue")
   s.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before new ones get 429 (default 64)")
+  add_speculative(s, "greedy requests without logprobs, while they run alone")
   s.add_argument("--kv-cache-dir", metavar="DIR", help="persist prompt KV caches here and reuse them across restarts")
   s.add_argument("--kv-cache-size", default="2G", help="size cap of --kv-cache-dir, least recently used files evicted (default 2G)")
   s.add_argument("--kv-cache-min-tokens", type=int, default=256, help="save the KV state of prompts of at least this many tokens (default 256)")
@@ -430,10 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
   s.set_defaults(fn=cmd_cache)
   return p
 
-def add_speculative(s: argparse.ArgumentParser) -> None:
+def add_speculative(s: argparse.ArgumentParser, which: str = "") -> None:
   s.add_argument("--speculative", type=int, default=0, metavar="K",
-                 help="speculative decoding: the draft proposes K tokens, the model checks them in one step (greedy: the same "
-                      "tokens as without it; sampled: the same distribution)")
+                 help="speculative decoding" + (f" ({which})" if which else "") + ": the draft proposes K tokens, the model checks "
+                      "them in one step (greedy: the same tokens as without it; sampled: the same distribution)")
   s.add_argument("--draft", metavar="MODEL", help="--speculative's draft: a smaller model of the same vocabulary (a file, folder or name)")
 
 def add_beam(s: argparse.ArgumentParser) -> None:

@@ -10,7 +10,12 @@ beside the generations each of its tail tokens would wait for a step of all rows
 
 A request's answer equals the same request run alone (runtime/runner.py's Runner.steps): the same prefill plan and chunk steps, the
 same per-row sampling inputs (its seed and step counter: runtime/sampling.py's uniform hashes a row's own (seed, step)), so greedy
-and seeded answers agree token for token and logprobs to float rounding."""
+and seeded answers agree token for token and logprobs to float rounding.
+
+With a drafter (runtime/speculative.py), a greedy request without logprobs that is the only one with a token to feed
+decodes speculatively: the drafter proposes k tokens, one verify step in its slot checks them. Its tokens are the ones
+the batched steps give (greedy: token for token), so a request's answer does not depend on whether it ran alone; as soon
+as another request has a token to feed, the batched steps take over again."""
 from __future__ import annotations
 
 import os, time
@@ -23,6 +28,7 @@ import numpy as np
 from tg_ds4.backend.buffers import host_array
 from tg_ds4.runtime.runner import FEED_TOKENS, GREEDY, MAX_TOP_LOGPROBS, Runner, Step, TOP_LOGPROBS_BUCKETS
 from tg_ds4.runtime.sampling import SamplingParams, rng
+from tg_ds4.runtime.speculative import Drafter
 
 
 @dataclass(frozen=True)
@@ -65,10 +71,13 @@ Restore = Callable[[tuple[int, ...], int, int], int]
 
 class Batcher:
   """`restore(prompt, slot, start)`, if given, is asked on each admission whether it can put a longer prefix of the prompt
-  into the slot's cache than the `start` tokens it holds (a saved prefix on disk); it returns how many it holds then."""
-  def __init__(self, runner: Runner, restore: Restore | None = None):
+  into the slot's cache than the `start` tokens it holds (a saved prefix on disk); it returns how many it holds then.
+  `drafter` and `speculative` = k: speculative decoding for a greedy request running alone (module docstring)."""
+  def __init__(self, runner: Runner, restore: Restore | None = None, drafter: Drafter | None = None, speculative: int = 0):
     if runner.parallel < 2: raise ValueError("a Batcher needs a runner loaded with parallel > 1")
     self.runner, self.slots, self.restore = runner, runner.parallel, restore
+    self.drafter, self.speculative = drafter, speculative if drafter is not None else 0
+    self.drafted = self.accepted = 0
     self.slot_tokens: list[list[int]] = [[] for _ in range(self.slots)]  # per slot: token ids whose cache rows are valid
     self.queue: deque[tuple[int, Request, float]] = deque()
     self.running: dict[int, _Seq] = {}   # admission order
@@ -112,7 +121,8 @@ class Batcher:
     if (pre := next((s for s in self.running.values() if s.chunks), None)) is not None: events += self._chunk(pre)
     rows = [s for s in self.running.values() if not s.chunks]
     rows = [s for s in rows if s.pos < len(s.req.prompt)] or rows  # prompt tails first (module docstring)
-    if rows: events += self._decode(rows)
+    if len(rows) == 1 and pre is None and self._speculates(rows[0]): events += self._speculate(rows[0])
+    elif rows: events += self._decode(rows)
     return events
 
   def _drop_cancelled(self) -> list[Event]:
@@ -191,6 +201,27 @@ class Batcher:
         continue
       s.pos += 1
       events += self._emitted(s, np.atleast_1d(row), k)
+    return events
+
+  def _speculates(self, s: _Seq) -> bool:
+    """Whether `s` takes a speculative round now: a greedy request without logprobs, past its prompt, with room for the
+    k + 1 verify rows in the context."""
+    k, r = self.speculative, s.req
+    return k > 0 and r.params.greedy and r.logprobs is None and s.pos >= len(r.prompt) and s.pos + k + 1 <= self.runner.model.max_ctx
+
+  def _speculate(self, s: _Seq) -> list[Event]:
+    """One speculative round of `s`: k drafts, one verify step in its slot, the accepted drafts and the target's next token."""
+    k, held = self.speculative, self.slot_tokens[s.slot]
+    seq = held + [s.token]
+    drafts, _ = self.drafter.propose(seq, k, (), None)
+    g = self.runner.verify([s.token] + drafts, s.pos, s.slot)
+    j = next((i for i in range(k) if drafts[i] != int(g[i])), k)
+    self.slot_tokens[s.slot] = seq + drafts[:j]  # rows of the pending token and the accepted drafts
+    self.drafted, self.accepted = self.drafted + k, self.accepted + j
+    events = []
+    for t in drafts[:j] + [int(g[j])]:
+      events += self._emitted(s, np.array([t]), None)
+      if events[-1].finished: break
     return events
 
   def _emitted(self, s: _Seq, row: np.ndarray, k: int | None) -> list[Event]:

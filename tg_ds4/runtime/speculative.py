@@ -28,38 +28,31 @@ from typing import Protocol
 import numpy as np
 
 from tg_ds4.backend.buffers import host_array
-from tg_ds4.runtime.runner import FEED_TOKENS, GREEDY, Runner, reusable_prefix
+from tg_ds4.runtime.runner import FEED_TOKENS, GREEDY, Runner
 from tg_ds4.runtime.sampling import SamplingParams, rng
 
 MAX_VOCAB_DIFFERENCE = 128  # a draft's vocabulary may be this many padding entries shorter or longer (llama.cpp's rule)
 
 class Drafter(Protocol):
-  def begin(self, prompt: list[int]) -> None:
-    """A new generation after `prompt`: bring the drafter's state to it (reusing what it already holds)."""
   def propose(self, seq: list[int], k: int, sampling: tuple, gen: np.random.Generator | None) -> tuple[list[int], np.ndarray | None]:
     """k tokens to follow `seq` (the prompt and every token generated so far); greedy (`sampling` empty), or each
     drawn with `gen` from the drafter's distribution, returned `[k, vocab]` as the acceptance rule's q."""
 
 class DraftModel:
-  """A draft model run by its own Runner: it feeds what it has not seen of the sequence (the tokens the target
-  accepted or chose since its last proposal) through its per-token step, then proposes token by token. Its cache rows
-  for rejected drafts are rewound like the target's: the runner's `cached` tells which rows still match."""
+  """A draft model run by its own Runner (one sequence: it follows whichever sequence asks next). It brings its cache
+  to the sequence first, reusing the longest prefix its rows still hold (the rows of drafts the target rejected are
+  stale like the target's), the rest in prefill chunks as Runner.generate would and a short tail through the
+  per-token step, whose last step gives the first draft; then it proposes token by token."""
   def __init__(self, runner: Runner): self.runner = runner
-
-  def begin(self, prompt: list[int]) -> None:
-    r = self.runner
-    start = r.reusable(prompt)
-    # all but the last prompt token in chunks, as Runner.generate would, but a short tail: propose() feeds those one by
-    # one, and the last one's step gives the first draft
-    sizes, fed = r.prefill_plan(len(prompt) - 1 - start, FEED_TOKENS)
-    if sizes: r.prefill_chunks(prompt[start:len(prompt) - 1 - fed], start, sizes)
-    r.cached = list(prompt[:len(prompt) - 1 - fed])
 
   def propose(self, seq: list[int], k: int, sampling: tuple, gen: np.random.Generator | None) -> tuple[list[int], np.ndarray | None]:
     r = self.runner
     step = (lambda t, p: r.next_distribution(t, p, sampling)) if sampling else (lambda t, p: r.next_token(t, p))
-    n = reusable_prefix(seq, r.cached)
-    for p in range(n, len(seq) - 1): step(seq[p], p)  # tokens it has not seen yet
+    start = r.reusable(seq)
+    sizes, fed = r.prefill_plan(len(seq) - 1 - start, FEED_TOKENS)
+    if sizes: r.prefill_chunks(seq[start:len(seq) - 1 - fed], start, sizes)
+    r.cached = list(seq[:len(seq) - 1 - fed])
+    for p in range(len(seq) - 1 - fed, len(seq) - 1): step(seq[p], p)  # the tail it has not seen
     tok, pos, drafts, qs = seq[-1], len(seq) - 1, [], []
     for _ in range(k):
       if sampling: qs.append(q := step(tok, pos)); tok = draw(q, gen)
@@ -95,7 +88,6 @@ def speculate(target: Runner, drafter: Drafter, prompt: list[int], max_new: int,
   gen = None if params.greedy else np.random.default_rng(seed)
   st, t0 = target.stats, time.perf_counter()
   first = int(host_array(target.first_token(prompt, start_pos, params, () if params.greedy else (*sp, rng(seed, 0, target.device)), None)).item())
-  drafter.begin(prompt)
   seq, emitted = list(prompt) + [first], 1
   st.prefill_s = st.first_token_s = (t1 := time.perf_counter()) - t0
   st.generated = 1

@@ -19,6 +19,7 @@ from tg_ds4.io.registry import registry, resolve
 from tg_ds4.models.families import default_context
 from tg_ds4.quant import activations, settings
 from tg_ds4.runtime.runner import Runner
+from tg_ds4.runtime.speculative import DraftModel
 from tg_ds4.server import anthropic_api, openai_api
 from tg_ds4.server.body import BodyLimits, BodySlots
 from tg_ds4.server.connections import BACKLOG, RateLimited, connection_cap, limited_protocol
@@ -89,10 +90,13 @@ def served_model_id(model: str, path: pathlib.Path) -> str:
 
 def load(model: str, max_context: int | None, kv_cache_dir: str | None = None, kv_cache_size: int = 2 << 30, kv_cache_min_tokens: int = 256,
          max_queue: int = 64, warmup: bool = True, quantize: str | None = None, parallel: int = 1,
-         numerics: str = settings.DEFAULT_NUMERICS, served_name: str | None = None, strict_model_name: bool = False) -> Served:
+         numerics: str = settings.DEFAULT_NUMERICS, served_name: str | None = None, strict_model_name: bool = False,
+         draft: str | None = None, speculative: int = 0) -> Served:
   """Tokenizer and template here; model and KV store on the worker's thread (see Worker), with `parallel` cache slots
   (requests generated together). Returns once the model is loaded (a bad file raises here); the warm-up compile runs
-  on while the server already answers /health. The model is served as `served_name` (default served_model_id)."""
+  on while the server already answers /health. The model is served as `served_name` (default served_model_id). With
+  `draft` and `speculative` = k, greedy requests without logprobs decode speculatively (runtime/speculative.py) when
+  they run alone."""
   path = pathlib.Path(resolve(model))
   gf = open_model(path, quantize)
   tok, t0 = Tokenizer.from_gguf(gf), time.perf_counter()
@@ -102,7 +106,10 @@ def load(model: str, max_context: int | None, kv_cache_dir: str | None = None, k
     fp = model_fingerprint(path, runner.cache_layout(), gf.identity() if hasattr(gf, "identity") else None,
                            activations.effective(numerics, runner.device))
     return runner, KVStore(kv_cache_dir, fp, kv_cache_size, kv_cache_min_tokens)
-  worker = Worker(load_runner, max_queue, warmup=warmup).start().wait_loaded()
+  def load_draft():
+    return DraftModel(Runner.load(open_model(resolve(draft), quantize), max_ctx=max_context or default_context(gf), numerics=numerics))
+  worker = Worker(load_runner, max_queue, warmup=warmup, draft=load_draft if draft and speculative else None,
+                  speculative=speculative).start().wait_loaded()
   model_id, max_ctx = served_name or served_model_id(model, path), worker.runner.model.max_ctx
   log.info("loaded %s (%s) in %.1fs; context %d, %d slot%s; serving it as %r%s", gf.get("general.name") or path.stem, path.name,
            time.perf_counter() - t0, max_ctx, parallel, "s" if parallel > 1 else "", model_id,
@@ -140,7 +147,7 @@ def serve(args, sock: socket.socket | None = None) -> int:
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
   served = load(args.model, args.max_context, args.kv_cache_dir, parse_size(args.kv_cache_size), args.kv_cache_min_tokens, args.max_queue,
                 quantize=args.quantize, parallel=args.parallel, numerics=args.numerics, served_name=args.served_model_name,
-                strict_model_name=args.strict_model_name)
+                strict_model_name=args.strict_model_name, draft=args.draft, speculative=args.speculative)
   body = BodyLimits(args.max_body_bytes, args.max_json_depth, args.body_timeout, args.max_parsing)
   app = build_app(served, body, Allowed(args.host, frozenset(h.lower() for h in args.allow_host), frozenset(o.lower() for o in args.allow_origin)))
   run(app, args.host, args.port, args.head_timeout, args.max_connections, sock)

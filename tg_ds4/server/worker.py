@@ -18,8 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tg_ds4.runtime.batcher import Batcher, Request
-from tg_ds4.runtime.runner import Runner
+from tg_ds4.runtime.runner import Runner, Step
 from tg_ds4.runtime.sampling import SamplingParams
+from tg_ds4.runtime.speculative import Drafter, speculate
 from tg_ds4.server.kvstore import KVStore
 
 log = logging.getLogger("tg_ds4.server")
@@ -67,8 +68,11 @@ class QueueFull(Exception): pass
 class Worker:
   """`load` builds the runner (and the KV store, if any) on the worker's own thread: tinygrad keeps per-thread state
   (its compile cache's SQLite connection), so the model is never touched from any other thread."""
-  def __init__(self, load: Callable[[], tuple[Runner, KVStore | None]], max_queue: int = 64, warmup: bool = False):
+  def __init__(self, load: Callable[[], tuple[Runner, KVStore | None]], max_queue: int = 64, warmup: bool = False,
+               draft: Callable[[], Drafter] | None = None, speculative: int = 0):
     self.load, self.warmup, self.runner, self.kvstore, self.load_error = load, warmup, None, None, None
+    # speculative decoding (runtime/speculative.py) for greedy requests without logprobs: the drafter, loaded with the model
+    self.load_draft, self.speculative, self.drafter = draft, speculative, None
     self.warming: str | None = None  # while the warm-up runs: "i/n step" of the steps captured so far
     self.queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
     self.loaded, self.ready, self.current = threading.Event(), threading.Event(), None
@@ -109,7 +113,9 @@ class Worker:
             "last_cancel": self.last_cancel, "cached_tokens": max(cached), "kv_store": self.kvstore.stats() if self.kvstore else None}
 
   def _run(self):
-    try: self.runner, self.kvstore = self.load()
+    try:
+      self.runner, self.kvstore = self.load()
+      if self.load_draft is not None: self.drafter = self.load_draft()
     except Exception as e: self.load_error = e; return
     finally: self.loaded.set()
     if self.warmup:  # every step a request can take, captured (or loaded) before the first request: none waits on a compile
@@ -152,7 +158,7 @@ class Worker:
 
   def _run_slots(self):
     """The loop with slots: fill free slots from the queue, pass cancels on, one engine step, hand out its events."""
-    self.batcher = b = Batcher(self.runner, self._restore if self.kvstore is not None else None)
+    self.batcher = b = Batcher(self.runner, self._restore if self.kvstore is not None else None, self.drafter, self.speculative)
     while True:
       while len(b.running) + len(b.queue) < b.slots:
         try: job = self.queue.get(block=not b.busy)  # nothing running: wait for work
@@ -172,7 +178,7 @@ class Worker:
           self.counts["failed"] += 1
           job.emit(Failed(f"{type(e).__name__}: {e}"))
         self.jobs.clear()
-        self.batcher = b = Batcher(self.runner, b.restore)  # the slots' caches are in an unknown state: reuse nothing
+        self.batcher = b = Batcher(self.runner, b.restore, self.drafter, self.speculative)  # the slots' caches are in an unknown state: reuse nothing
         continue
       for e in events: self._event(b, e)
 
@@ -234,7 +240,9 @@ class Worker:
     start = self._reuse(prompt)
     job.emit(Started(start))
     reason, last = "length", None
-    gen = eng.steps(prompt, job.max_tokens, job.params, job.stop_ids, start_pos=start, logprobs=job.logprobs)
+    if self.drafter is not None and job.params.greedy and job.logprobs is None:  # greedy: the tokens plain decoding gives
+      gen = (Step(t) for t in speculate(eng, self.drafter, prompt, job.max_tokens, self.speculative, job.params, job.stop_ids, start))
+    else: gen = eng.steps(prompt, job.max_tokens, job.params, job.stop_ids, start_pos=start, logprobs=job.logprobs)
     try:
       for step in gen:
         job.generated += 1; last = step.token
