@@ -34,6 +34,7 @@ def tg(*args, timeout=600):
    "cannot draft for " + DS3 + ": its vocabulary differs (token 2 is"),
   (["generate", "-m", DS3, "-p", "hi", "--speculative", "17", "--draft", DS3], "--speculative must be in [1, 16], got 17"),
   (["bench", "-m", DS3, "--speculative", "2"], "--speculative needs --draft MODEL"),
+  (["serve", "-m", DS3, "--speculative", "2", "--port", "0"], "has nothing to draft with (no multi-token-prediction layers)"),
   (["generate", "-m", str(FIX / "gpt2/gpt2-Q8_0.gguf"), "-p", "hi", "--max-context", "300"],
    "learned positions (position_embd) for 128 tokens, a context of 300 was asked for"),
 ])

@@ -73,6 +73,7 @@ class Worker:
     self.load, self.warmup, self.runner, self.kvstore, self.load_error = load, warmup, None, None, None
     # speculative decoding (runtime/speculative.py) for greedy requests without logprobs: the drafter, loaded with the model
     self.load_draft, self.speculative, self.drafter = draft, speculative, None
+    self.drafts = {"drafted": 0, "accepted": 0}  # one sequence at a time: summed over its speculative jobs
     self.warming: str | None = None  # while the warm-up runs: "i/n step" of the steps captured so far
     self.queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
     self.loaded, self.ready, self.current = threading.Event(), threading.Event(), None
@@ -110,7 +111,9 @@ class Worker:
             "queued": self.queue.qsize(), "busy": bool(self.jobs) or self.current is not None,
             "running": len(self.jobs) if b is not None else int(self.current is not None), "slots": self.slots,
             "peak_running": self.peak_running, **self.counts,
-            "last_cancel": self.last_cancel, "cached_tokens": max(cached), "kv_store": self.kvstore.stats() if self.kvstore else None}
+            "last_cancel": self.last_cancel, "cached_tokens": max(cached), "kv_store": self.kvstore.stats() if self.kvstore else None,
+            **({"speculative": {"k": self.speculative, **(self.drafts if b is None else {"drafted": b.drafted, "accepted": b.accepted})}}
+               if self.drafter is not None else {})}
 
   def _run(self):
     try:
@@ -249,6 +252,7 @@ class Worker:
         job.emit(step)
         if job.cancelled: reason = "cancelled"; break  # not resuming the generator: no further token is computed
     finally: gen.close()
+    for key in self.drafts: self.drafts[key] += getattr(eng.stats, key)
     if reason != "cancelled" and last in job.stop_ids: reason = "stop"
     self._ended(job, reason)
     kv = self.kvstore
