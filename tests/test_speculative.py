@@ -83,6 +83,8 @@ def test_sampled_acceptance_keeps_the_target_distribution():
       new = accept_sampled(target[ctx], drafted[ctx[:k]], drafts, gen)
       seq += new; out += new
     counts[out[0], out[1]] += 1
+  # a draft id past the target's vocabulary (a draft's padding entries) is rejected where it stands
+  assert accept_sampled(target[[0, 1]], np.pad(drafted[[0]], ((0, 0), (0, 2))), [V + 1], gen) in ([t] for t in range(4))
   want = 30_000 * target[0][:, None] * target
   assert counts[want == 0].sum() == 0
   chi = ((counts - want)[want > 0] ** 2 / want[want > 0]).sum()

@@ -214,7 +214,8 @@ class Batcher:
     k, held = self.speculative, self.slot_tokens[s.slot]
     seq = held + [s.token]
     drafts, _ = self.drafter.propose(seq, k, (), None)
-    g = self.runner.verify([s.token] + drafts, s.pos, s.slot)
+    V = self.runner.model.cfg.n_vocab  # a draft's padding ids past the vocabulary: rejected, any valid id in the step
+    g = self.runner.verify([s.token] + [d if d < V else 0 for d in drafts], s.pos, s.slot)
     j = next((i for i in range(k) if drafts[i] != int(g[i])), k)
     self.slot_tokens[s.slot] = seq + drafts[:j]  # rows of the pending token and the accepted drafts
     self.drafted, self.accepted = self.drafted + k, self.accepted + j

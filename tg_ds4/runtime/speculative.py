@@ -70,7 +70,7 @@ def accept_sampled(p: np.ndarray, q: np.ndarray, drafts: list[int], gen: np.rand
   `q` `[k, vocab]`, the k `drafts` -> the tokens to emit: the accepted drafts and one token more (module docstring)."""
   if q.shape[1] < p.shape[1]: q = np.pad(q, ((0, 0), (0, p.shape[1] - q.shape[1])))  # a draft's shorter (padding) vocabulary
   for i, d in enumerate(drafts):
-    if gen.random() * q[i, d] < p[i, d]: continue  # accepted with probability min(1, p/q)
+    if d < p.shape[1] and gen.random() * q[i, d] < p[i, d]: continue  # accepted with probability min(1, p/q)
     rest = np.maximum(p[i].astype(np.float64) - q[i, :p.shape[1]], 0.0)
     return drafts[:i] + [draw(rest if rest.sum() > 0 else p[i], gen)]
   return list(drafts) + [draw(p[len(drafts)], gen)]
@@ -86,7 +86,7 @@ def speculate(target: Runner, drafter: Drafter, prompt: list[int], max_new: int,
   seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
   sp = () if params.greedy else params.tensors(target.device)
   gen = None if params.greedy else np.random.default_rng(seed)
-  st, t0 = target.stats, time.perf_counter()
+  st, t0, V = target.stats, time.perf_counter(), target.model.cfg.n_vocab
   first = int(host_array(target.first_token(prompt, start_pos, params, () if params.greedy else (*sp, rng(seed, 0, target.device)), None)).item())
   seq, emitted = list(prompt) + [first], 1
   st.prefill_s = st.first_token_s = (t1 := time.perf_counter()) - t0
@@ -100,11 +100,13 @@ def speculate(target: Runner, drafter: Drafter, prompt: list[int], max_new: int,
       new = [int(host_array(nxt).item())]
     else:
       drafts, q = drafter.propose(seq, k, sp, gen)
+      # a draft's padding ids past the target's vocabulary are rejected where they stand; the step gets any valid id
+      rows = [seq[-1]] + [d if d < V else 0 for d in drafts]
       if params.greedy:
-        g = target.verify([seq[-1]] + drafts, pos)
+        g = target.verify(rows, pos)
         j = next((i for i in range(k) if drafts[i] != int(g[i])), k)
         new = drafts[:j] + [int(g[j])]
-      else: new = accept_sampled(target.verify([seq[-1]] + drafts, pos, sampling=sp), q, drafts, gen)
+      else: new = accept_sampled(target.verify(rows, pos, sampling=sp), q, drafts, gen)
       target.forget(len(seq) + len(new) - 1)  # rows of the pending token and the accepted drafts
       st.drafted, st.accepted = st.drafted + k, st.accepted + len(new) - 1
     for t in new[:max_new - emitted]:
