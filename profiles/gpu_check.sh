@@ -8,7 +8,9 @@
 #      heuristic (TG_DS4_KERNEL_OPTS=0) and with ours (backend/gpu/kernel_opts.py), then bench with ours;
 #   4. (STEPS=...v4...) the same profile and bench for the V4-Flash-shaped file (9.5 GB, its quant mix).
 #   5. (STEPS=...parallel...) bench --parallel 4 of the V2-Lite-shaped file: 4 sequences a step where decode reads memory.
-# STEPS picks among jobs, v2lite, stock, f32, parallel and v4 (default: all but parallel and v4).
+#   6. (STEPS=...speculative...) bench --speculative 4 of the V2-Lite-shaped file drafting for itself (every draft
+#      accepted: speculation's ceiling against plain decode, where a 5-row verify step should cost about one step).
+# STEPS picks among jobs, v2lite, stock, f32, parallel, speculative and v4 (default: all but parallel, speculative and v4).
 # Each step has its own time limit and log under $OUT. Wheels for what the machine lacks (tinygrad, gguf, the server's
 # libraries) travel in .whl/ at the repository root, installed offline; everything else comes from the machine's python3.
 set -u
@@ -52,6 +54,8 @@ if on v2lite; then
   step profile ${PROFILE_S:-90} python3 -m tg_ds4 profile -m "$BENCH" --out /tmp/profile_ours
   step bench ${BENCH_S:-120} python3 -m tg_ds4 bench -m "$BENCH" --prompt-tokens 128 --gen 64 --repeat 2
   on parallel && step bench_parallel ${PARALLEL_S:-180} python3 -m tg_ds4 bench -m "$BENCH" --prompt-tokens 32 --gen 32 --repeat 2 --parallel 4
+  on speculative && step bench_speculative ${SPECULATIVE_S:-150} python3 -m tg_ds4 bench -m "$BENCH" --prompt-tokens 32 --gen 64 --repeat 2 \
+    --speculative 4 --draft "$BENCH"
 fi
 if on v4; then
   step make_bench_v4 ${MAKE_V4_S:-150} python3 profiles/make_bench_model.py v4flash
