@@ -9,7 +9,7 @@ from tinygrad import Tensor
 from tg_ds4.io.registry import resolve
 from tg_ds4.runtime.runner import Runner
 from tg_ds4.runtime.sampling import SamplingParams, distribution, sample
-from tg_ds4.runtime.speculative import DraftModel, accept_sampled, draw, speculate
+from tg_ds4.runtime.speculative import DraftModel, accept_sampled, draw, speculate, warm_steps
 
 FIX = pathlib.Path(__file__).parent / "fixtures"
 CTX, N = 64, 40  # CTX: test_stepcache's, whose steps of the same files and settings these runners load when it ran first
@@ -93,10 +93,13 @@ def test_sampled_acceptance_keeps_the_target_distribution():
 def test_a_request_running_alone_in_a_batcher_speculates():
   """serve's slots: a greedy request that is the only one with a token to feed decodes speculatively (the ds3 fixture
   drafted by its Q8_0, k = 3) and answers what it answers through the batched steps; two requests at once take the
-  batched steps until the shorter ends, then the other speculates."""
+  batched steps until the shorter ends, then the other speculates. The server's warm-up (the runner's steps and
+  speculative.warm_steps) leaves no step for a request to capture."""
   from tg_ds4.runtime.batcher import Batcher, Request
   runner = Runner.load(FIX / "deepseek2/ds3/ds3-Q4_0.gguf", max_ctx=CTX, parallel=2)
   d = DraftModel(Runner.load(FIX / "deepseek2/ds3/ds3-Q8_0.gguf", max_ctx=CTX))
+  runner.warm_up(extra=warm_steps(runner, d, 3))
+  captured = (set(runner._jits), set(d.runner._jits))
   V = runner.model.cfg.n_vocab
   reqs = [Request(tuple(_prompt(V, 12)), 36), Request(tuple(_prompt(V, 9)[::-1]), 12)]
   tokens = lambda steps: [[s.token for s in r] for r in steps]
@@ -106,3 +109,4 @@ def test_a_request_running_alone_in_a_batcher_speculates():
   assert 0 < b.accepted < b.drafted
   drafted = b.drafted
   assert tokens(b.run(reqs)) == plain and b.drafted > drafted
+  assert (set(runner._jits), set(d.runner._jits)) == captured

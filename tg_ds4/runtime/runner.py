@@ -453,10 +453,10 @@ class Runner:
                 (f"batch-{B}-sample", lambda B=B, arrays=arrays: self.batch_step([0] * B, [slot] * B, [0] * B, arrays()))]
     return steps
 
-  def warm_up(self, progress: Callable[[int, int, str, float], None] | None = None) -> None:
-    """Capture (or load from the step cache) every step of warm_steps before the first request, so that no request
-    waits on a compile; `progress(i, n, name, seconds)` after each."""
-    steps = self.warm_steps()
+  def warm_up(self, progress: Callable[[int, int, str, float], None] | None = None, extra: list[tuple[str, Callable[[], object]]] = ()) -> None:
+    """Capture (or load from the step cache) every step of warm_steps (and the `extra` ones) before the first request,
+    so that no request waits on a compile; `progress(i, n, name, seconds)` after each."""
+    steps = self.warm_steps() + list(extra)
     for i, (name, run) in enumerate(steps):
       t = time.perf_counter()
       run()

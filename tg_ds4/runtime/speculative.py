@@ -22,7 +22,7 @@ Drafters (`Drafter`): `DraftModel`, a smaller model of the same vocabulary with 
 from __future__ import annotations
 
 import os, time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import numpy as np
@@ -114,6 +114,18 @@ def speculate(target: Runner, drafter: Drafter, prompt: list[int], max_new: int,
       st.generated, st.decode_s = emitted, time.perf_counter() - t1
       yield t
       if t in stop: return
+
+def warm_steps(target: Runner, drafter: Drafter, k: int) -> list[tuple[str, Callable[[], object]]]:
+  """The steps a greedy speculative round takes that the target's own warm_steps do not, as (name, run it once), for a
+  server to capture before its first request: the verify step of k + 1 rows (in the scratch slot, or slot 0 whose
+  `cached` the caller resets) and a draft model's prefill chunks and per-token step (its rows forgotten after each)."""
+  slot = target.model.slots - 1 if target.model.slots > 1 else 0
+  steps: list[tuple[str, Callable[[], object]]] = [(f"verify-{k + 1}-greedy", lambda: target.verify([0] * (k + 1), 0, slot))]
+  if isinstance(drafter, DraftModel):
+    r = drafter.runner
+    steps += [(f"draft {name}", lambda run=run: (run(), r.forget(0))) for name, run in r.warm_steps()
+              if name.startswith("prefill-") or name == "decode-greedy"]
+  return steps
 
 def vocab_mismatch(target_md: dict, draft_md: dict) -> str | None:
   """Why a draft model's vocabulary cannot draft for the target's (the GGUF tokenizer metadata), or None: the same

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from tg_ds4.runtime.batcher import Batcher, Request
 from tg_ds4.runtime.runner import Runner, Step
 from tg_ds4.runtime.sampling import SamplingParams
-from tg_ds4.runtime.speculative import Drafter, speculate
+from tg_ds4.runtime.speculative import Drafter, speculate, warm_steps
 from tg_ds4.server.kvstore import KVStore
 
 log = logging.getLogger("tg_ds4.server")
@@ -123,7 +123,8 @@ class Worker:
     finally: self.loaded.set()
     if self.warmup:  # every step a request can take, captured (or loaded) before the first request: none waits on a compile
       t = time.perf_counter()
-      try: self.runner.warm_up(self._warmed)
+      extra = warm_steps(self.runner, self.drafter, self.speculative) if self.drafter is not None else []
+      try: self.runner.warm_up(self._warmed, extra)
       except Exception: log.exception("warm-up failed")
       log.info("warm-up done in %.1fs", time.perf_counter() - t)
     self.warming = None
