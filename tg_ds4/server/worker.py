@@ -244,8 +244,8 @@ class Worker:
     start = self._reuse(prompt)
     job.emit(Started(start))
     reason, last = "length", None
-    if self.drafter is not None and job.params.greedy and job.logprobs is None:  # greedy: the tokens plain decoding gives
-      gen = (Step(t) for t in speculate(eng, self.drafter, prompt, job.max_tokens, self.speculative, job.params, job.stop_ids, start))
+    speculates = self.drafter is not None and job.params.greedy and job.logprobs is None  # greedy: the tokens plain decoding gives
+    if speculates: gen = (Step(t) for t in speculate(eng, self.drafter, prompt, job.max_tokens, self.speculative, job.params, job.stop_ids, start))
     else: gen = eng.steps(prompt, job.max_tokens, job.params, job.stop_ids, start_pos=start, logprobs=job.logprobs)
     try:
       for step in gen:
@@ -253,7 +253,8 @@ class Worker:
         job.emit(step)
         if job.cancelled: reason = "cancelled"; break  # not resuming the generator: no further token is computed
     finally: gen.close()
-    for key in self.drafts: self.drafts[key] += getattr(eng.stats, key)
+    if speculates:
+      for key in self.drafts: self.drafts[key] += getattr(eng.stats, key)
     if reason != "cancelled" and last in job.stop_ids: reason = "stop"
     self._ended(job, reason)
     kv = self.kvstore
