@@ -7,7 +7,7 @@ import pytest
 from tinygrad import Tensor
 
 from tg_ds4.io.registry import resolve
-from tg_ds4.runtime.runner import Runner
+from tg_ds4.runtime.runner import Runner, reusable_prefix
 from tg_ds4.runtime.sampling import SamplingParams, distribution, sample
 from tg_ds4.runtime.speculative import DraftModel, accept_sampled, draw, speculate, warm_steps
 
@@ -110,3 +110,17 @@ def test_a_request_running_alone_in_a_batcher_speculates():
   drafted = b.drafted
   assert tokens(b.run(reqs)) == plain and b.drafted > drafted
   assert (set(runner._jits), set(d.runner._jits)) == captured
+
+def test_a_deepseek4_draft_rewinds_past_rejected_drafts():
+  """A V4 draft (ring caches) resumes after rejected drafts from the rows it still holds, within its rings' slack, instead of
+  prefilling again from position 0, and proposes what it proposes from a prefill from scratch."""
+  r = Runner.load(FIX / "deepseek4/flash/flash-IQ2_XXS.gguf", max_ctx=CTX)
+  d = DraftModel(r)
+  seq = _prompt(r.model.cfg.n_vocab, 20)
+  drafts, _ = d.propose(seq, 3, (), None)
+  fresh = lambda s: (setattr(r, "cached", []), setattr(d, "furthest", None), d.propose(s, 3, (), None)[0])[-1]
+  for nxt in (seq + [drafts[0], (drafts[1] + 1) % r.model.cfg.n_vocab], seq[:-4] + [5, 6]):  # 1 and 6 positions back
+    d.propose(seq, 3, (), None)  # the drafts' rows written past where nxt parts from them
+    assert d._start(nxt) == reusable_prefix(nxt, r.cached) > 0
+    got = d.propose(nxt, 3, (), None)[0]
+    assert got == fresh(nxt)

@@ -28,7 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from tg_ds4.backend.buffers import host_array
-from tg_ds4.runtime.runner import FEED_TOKENS, GREEDY, Runner
+from tg_ds4.runtime.runner import FEED_TOKENS, GREEDY, Runner, reusable_prefix
 from tg_ds4.runtime.sampling import SamplingParams, rng
 
 MAX_VOCAB_DIFFERENCE = 128  # a draft's vocabulary may be this many padding entries shorter or longer (llama.cpp's rule)
@@ -43,13 +43,28 @@ class DraftModel:
   to the sequence first, reusing the longest prefix its rows still hold (the rows of drafts the target rejected are
   stale like the target's), the rest in prefill chunks as Runner.generate would and a short tail through the
   per-token step, whose last step gives the first draft; then it proposes token by token."""
-  def __init__(self, runner: Runner): self.runner = runner
+  def __init__(self, runner: Runner):
+    self.runner = runner
+    self.furthest: int | None = None  # the furthest cache row it wrote since it last started at position 0 (None: not known)
+
+  def _start(self, seq: list[int]) -> int:
+    """Where to resume for `seq`: Runner.reusable, except that for ring caches (DeepSeek V4) the rows before the
+    common prefix hold while no row it wrote reaches max_rewind positions past it, judged on the rows it knows it
+    wrote instead of a padded chunk's worst case, so a rejected draft does not mean a prefill from scratch."""
+    r, rewind = self.runner, self.runner.model.max_rewind
+    if rewind is None or self.furthest is None: return r.reusable(seq)
+    n = reusable_prefix(seq, r.cached)
+    return n if self.furthest - n < rewind else 0
 
   def propose(self, seq: list[int], k: int, sampling: tuple, gen: np.random.Generator | None) -> tuple[list[int], np.ndarray | None]:
     r = self.runner
     step = (lambda t, p: r.next_distribution(t, p, sampling)) if sampling else (lambda t, p: r.next_token(t, p))
-    start = r.reusable(seq)
+    start = self._start(seq)
     sizes, fed = r.prefill_plan(len(seq) - 1 - start, FEED_TOKENS)
+    # what was written before (not known: Runner.reusable's worst case), unless it starts over; then the rows it writes
+    # now: the chunks (the last padded), the tail, and every draft but the last
+    before = -1 if start == 0 else self.furthest if self.furthest is not None else len(r.cached) - 1 + r.model.PREFILL_CHUNK
+    self.furthest = max(before, start + sum(sizes) - 1, len(seq) - 2 + k)
     if sizes: r.prefill_chunks(seq[start:len(seq) - 1 - fed], start, sizes)
     r.cached = list(seq[:len(seq) - 1 - fed])
     for p in range(len(seq) - 1 - fed, len(seq) - 1): step(seq[p], p)  # the tail it has not seen
