@@ -28,7 +28,7 @@ import numpy as np
 from tg_ds4.backend.buffers import host_array
 from tg_ds4.runtime.runner import FEED_TOKENS, GREEDY, MAX_TOP_LOGPROBS, Runner, Step, TOP_LOGPROBS_BUCKETS
 from tg_ds4.runtime.sampling import SamplingParams, rng
-from tg_ds4.runtime.speculative import Drafter
+from tg_ds4.runtime.speculative import Drafter, verify_greedy
 
 
 @dataclass(frozen=True)
@@ -214,13 +214,11 @@ class Batcher:
     k, held = self.speculative, self.slot_tokens[s.slot]
     seq = held + [s.token]
     drafts, _ = self.drafter.propose(seq, k, (), None)
-    V = self.runner.model.cfg.n_vocab  # a draft's padding ids past the vocabulary: rejected, any valid id in the step
-    g = self.runner.verify([s.token] + [d if d < V else 0 for d in drafts], s.pos, s.slot)
-    j = next((i for i in range(k) if drafts[i] != int(g[i])), k)
-    self.slot_tokens[s.slot] = seq + drafts[:j]  # rows of the pending token and the accepted drafts
-    self.drafted, self.accepted = self.drafted + k, self.accepted + j
+    new = verify_greedy(self.runner, s.token, drafts, s.pos, s.slot)
+    self.slot_tokens[s.slot] = seq + new[:-1]  # rows of the pending token and the accepted drafts
+    self.drafted, self.accepted = self.drafted + k, self.accepted + len(new) - 1
     events = []
-    for t in drafts[:j] + [int(g[j])]:
+    for t in new:
       events += self._emitted(s, np.array([t]), None)
       if events[-1].finished: break
     return events

@@ -234,7 +234,7 @@ class Runner:
     args = [self._tok(t, f"token{i}") for i, t in enumerate(tokens)] + [self._pos(pos + i, f"pos{i}") for i in range(B)]
     if self.model.slots > 1: args.append(self._slot(slot))
     out = host_array(self._verify(B, not sampling)(*args, *sampling))
-    if slot == 0: self.cached = self.cached[:pos] + list(tokens)
+    if slot == 0: del self.cached[pos:]; self.cached.extend(tokens)  # in place: a speculative round calls it
     return out[:, 0] if not sampling else out
 
   def _verify(self, B: int, is_greedy: bool) -> Jit:

@@ -90,6 +90,19 @@ def accept_sampled(p: np.ndarray, q: np.ndarray, drafts: list[int], gen: np.rand
     return drafts[:i] + [draw(rest if rest.sum() > 0 else p[i], gen)]
   return list(drafts) + [draw(p[len(drafts)], gen)]
 
+def verify_rows(target: Runner, pending: int, drafts: list[int]) -> list[int]:
+  """The verify step's tokens: the pending one and the drafts, a draft's padding id past the target's vocabulary
+  (rejected where it stands by either rule) replaced by a valid one."""
+  V = target.model.cfg.n_vocab
+  return [pending] + [d if d < V else 0 for d in drafts]
+
+def verify_greedy(target: Runner, pending: int, drafts: list[int], pos: int, slot: int = 0) -> list[int]:
+  """Greedy acceptance in one verify step at `pos` of `slot`: the drafts up to the first the target's argmax disagrees
+  with, then the target's own token."""
+  g = target.verify(verify_rows(target, pending, drafts), pos, slot)
+  j = next((i for i, d in enumerate(drafts) if d != int(g[i])), len(drafts))
+  return drafts[:j] + [int(g[j])]
+
 def speculate(target: Runner, drafter: Drafter, prompt: list[int], max_new: int, k: int, params: SamplingParams = GREEDY,
               stop: set[int] = frozenset(), start_pos: int = 0) -> Iterator[int]:
   """Up to `max_new` token ids after `prompt` (its first `start_pos` tokens already in the target's cache), k drafts
@@ -101,7 +114,7 @@ def speculate(target: Runner, drafter: Drafter, prompt: list[int], max_new: int,
   seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
   sp = () if params.greedy else params.tensors(target.device)
   gen = None if params.greedy else np.random.default_rng(seed)
-  st, t0, V = target.stats, time.perf_counter(), target.model.cfg.n_vocab
+  st, t0 = target.stats, time.perf_counter()
   first = int(host_array(target.first_token(prompt, start_pos, params, () if params.greedy else (*sp, rng(seed, 0, target.device)), None)).item())
   seq, emitted = list(prompt) + [first], 1
   st.prefill_s = st.first_token_s = (t1 := time.perf_counter()) - t0
@@ -115,13 +128,8 @@ def speculate(target: Runner, drafter: Drafter, prompt: list[int], max_new: int,
       new = [int(host_array(nxt).item())]
     else:
       drafts, q = drafter.propose(seq, k, sp, gen)
-      # a draft's padding ids past the target's vocabulary are rejected where they stand; the step gets any valid id
-      rows = [seq[-1]] + [d if d < V else 0 for d in drafts]
-      if params.greedy:
-        g = target.verify(rows, pos)
-        j = next((i for i in range(k) if drafts[i] != int(g[i])), k)
-        new = drafts[:j] + [int(g[j])]
-      else: new = accept_sampled(target.verify(rows, pos, sampling=sp), q, drafts, gen)
+      if params.greedy: new = verify_greedy(target, seq[-1], drafts, pos)
+      else: new = accept_sampled(target.verify(verify_rows(target, seq[-1], drafts), pos, sampling=sp), q, drafts, gen)
       target.forget(len(seq) + len(new) - 1)  # rows of the pending token and the accepted drafts
       st.drafted, st.accepted = st.drafted + k, st.accepted + len(new) - 1
     for t in new[:max_new - emitted]:
