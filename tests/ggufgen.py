@@ -46,17 +46,19 @@ def stored_values(x: np.ndarray, qt: G) -> np.ndarray:
 
 def write_tiny_deepseek2(path: str | pathlib.Path, drop: str | None = None, reshape: tuple[str, tuple[int, ...]] | None = None,
                          arch: str = "deepseek2", seed: int = 0, legacy_kv_b: bool = False,
-                         fused_gate_up: bool = False) -> None:
+                         fused_gate_up: bool = False, mtp: bool = False) -> None:
   """A 3-block DeepSeek-V3-shaped GGUF (1 dense + 2 MoE blocks, q_lora, sigmoid gating with bias) with random weights,
   for structural tests (shapes, errors, JIT, kernel counts). `drop` leaves a tensor out; `reshape` writes one with a
   wrong shape; `legacy_kv_b` stores the old combined `attn_kv_b` (and old key lengths) instead of k_b/v_b, same
-  weights; `fused_gate_up` stores experts as one `ffn_gate_up_exps` (gate rows first), same weights.
+  weights; `fused_gate_up` stores experts as one `ffn_gate_up_exps` (gate rows first), same weights; `mtp` appends a
+  multi-token-prediction block (`blk.3`, MoE, with `nextn.{eh_proj,enorm,hnorm,shared_head_norm}`).
   Numerical correctness is checked against transformers/llama.cpp fixtures instead."""
   rng = np.random.default_rng(seed)
   W = lambda *s: (rng.standard_normal(s) / np.sqrt(s[-1])).astype(np.float32)
   V, D, L, H, QL, KL, NOPE, R, VH, E, F, FF = 128, 64, 3, 4, 32, 32, 16, 8, 16, 8, 32, 96
   w = gguf.GGUFWriter(str(path), arch)
-  for k, v in dict(block_count=L, context_length=64, embedding_length=D, feed_forward_length=FF, expert_feed_forward_length=F, expert_count=E,
+  if mtp: w.add_uint32(f"{arch}.nextn_predict_layers", 1)
+  for k, v in dict(block_count=L + mtp, context_length=64, embedding_length=D, feed_forward_length=FF, expert_feed_forward_length=F, expert_count=E,
                    expert_used_count=2, expert_shared_count=1, leading_dense_block_count=1, expert_gating_func=2).items():
     w.add_uint32(f"{arch}.{k}", v)
   w.add_float32(f"{arch}.expert_weights_scale", 1.5); w.add_bool(f"{arch}.expert_weights_norm", True)
@@ -72,8 +74,11 @@ def write_tiny_deepseek2(path: str | pathlib.Path, drop: str | None = None, resh
     if reshape and name == reshape[0]: x = np.resize(x, reshape[1])
     w.add_tensor(name, x if qt == G.F32 else gguf.quants.quantize(x, qt), raw_dtype=qt)
   T("token_embd.weight", W(V, D)); T("output.weight", W(V, D), G.Q8_0); T("output_norm.weight", 1 + 0.1 * W(D))
-  for i in range(L):
+  for i in range(L + mtp):
     p = f"blk.{i}."
+    if i == L:
+      T(p + "nextn.eh_proj.weight", W(D, 2 * D), G.Q8_0); T(p + "nextn.enorm.weight", 1 + 0.1 * W(D))
+      T(p + "nextn.hnorm.weight", 1 + 0.1 * W(D)); T(p + "nextn.shared_head_norm.weight", 1 + 0.1 * W(D))
     T(p + "attn_norm.weight", 1 + 0.1 * W(D)); T(p + "ffn_norm.weight", 1 + 0.1 * W(D))
     T(p + "attn_q_a.weight", W(QL, D), G.Q8_0); T(p + "attn_q_a_norm.weight", 1 + 0.1 * W(QL))
     T(p + "attn_q_b.weight", W(H * (NOPE + R), QL), G.Q8_0)

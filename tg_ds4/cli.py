@@ -91,15 +91,17 @@ def cmd_probe(args) -> int:
   return 0
 
 def _load(args):
-  """The -m model's file, its runner, tokenizer and (with --speculative) the draft model's drafter."""
+  """The -m model's file, its runner, tokenizer and (with --speculative) the drafter: the draft model's, or the file's
+  own multi-token-prediction block."""
   from tg_ds4.models.families import default_context
   from tg_ds4.runtime.runner import Runner
-  from tg_ds4.runtime.speculative import DraftModel
+  from tg_ds4.runtime.speculative import DraftModel, MTPDraft
   from tg_ds4.text.tokenizer import Tokenizer
   gf = _open(args)
   dgf = _draft_file(args, gf)
-  runner = Runner.load(gf, max_ctx=args.max_context or default_context(gf), numerics=args.numerics)
-  drafter = None if dgf is None else DraftModel(Runner.load(dgf, max_ctx=runner.model.max_ctx, numerics=args.numerics))
+  mtp = bool(getattr(args, "speculative", 0)) and dgf is None
+  runner = Runner.load(gf, max_ctx=args.max_context or default_context(gf), numerics=args.numerics, mtp=mtp)
+  drafter = MTPDraft(runner) if mtp else None if dgf is None else DraftModel(Runner.load(dgf, max_ctx=runner.model.max_ctx, numerics=args.numerics))
   return gf, runner, Tokenizer.from_gguf(gf), drafter
 
 def _sampling(args):
@@ -110,16 +112,15 @@ def _sampling(args):
 MAX_SPECULATIVE = 16  # drafts checked per step: a verify step holds k + 1 rows
 
 def _draft_file(args, gf):
-  """--speculative K's draft model, opened (None without --speculative), checked before any model loads: a file with
-  nothing to draft with, or a draft of another vocabulary, is a usage error."""
+  """--speculative K's draft model, opened (None without --speculative, or without --draft on a file whose own
+  multi-token-prediction layers draft), checked before any model loads: a file with nothing to draft with, or a draft
+  of another vocabulary, is a usage error."""
   if not getattr(args, "speculative", 0): return None
   if not 1 <= args.speculative <= MAX_SPECULATIVE: raise UsageError(f"--speculative must be in [1, {MAX_SPECULATIVE}], got {args.speculative}")
   if args.draft is None:
-    arch = gf.get("general.architecture")
-    mtp = int(gf.get(f"{arch}.nextn_predict_layers", 0) or 0)
-    raise UsageError(f"{args.model}: --speculative needs a draft: this file's {mtp} multi-token-prediction layers cannot draft yet; pass "
-                     "--draft MODEL" if mtp else f"{args.model} has nothing to draft with (no multi-token-prediction layers): pass --draft MODEL, "
-                     "a smaller model of the same vocabulary")
+    from tg_ds4.models.families import mtp_unavailable
+    if (why := mtp_unavailable(gf)) is None: return None
+    raise UsageError(f"{args.model} has nothing to draft with ({why}): pass --draft MODEL, a smaller model of the same vocabulary")
   from tg_ds4.io.hf_folder import open_model
   from tg_ds4.io.registry import resolve
   from tg_ds4.runtime.speculative import vocab_mismatch
@@ -211,8 +212,7 @@ def cmd_bench(args) -> int:
                        "pip install llama-cpp-python==0.3.36")
   if args.prompt_tokens < 1 or args.gen < 2 or args.repeat < 1: raise UsageError("--prompt-tokens >= 1, --gen >= 2 and --repeat >= 1")
   if not 1 <= args.parallel <= 8: raise UsageError("--parallel must be in [1, 8]")
-  if args.speculative and not 1 <= args.speculative <= MAX_SPECULATIVE: raise UsageError(f"--speculative must be in [1, {MAX_SPECULATIVE}]")
-  if args.speculative and args.draft is None: raise UsageError("--speculative needs --draft MODEL (the model itself measures the ceiling)")
+  _draft_file(args, _open(args))  # nothing to draft with, or a draft of another vocabulary: reported before anything loads
   try: r = bench.run(args.model, args.prompt_tokens, args.gen, args.repeat, args.vs_llama_cpp, args.quantize, args.parallel,
                     args.numerics, args.speculative, args.draft)
   except bench.BenchError as e: raise UsageError(str(e)) from None
@@ -435,7 +435,8 @@ def add_speculative(s: argparse.ArgumentParser, which: str = "") -> None:
   s.add_argument("--speculative", type=int, default=0, metavar="K",
                  help="speculative decoding" + (f" ({which})" if which else "") + ": the draft proposes K tokens, the model checks "
                       "them in one step (greedy: the same tokens as without it; sampled: the same distribution)")
-  s.add_argument("--draft", metavar="MODEL", help="--speculative's draft: a smaller model of the same vocabulary (a file, folder or name)")
+  s.add_argument("--draft", metavar="MODEL", help="--speculative's draft: a smaller model of the same vocabulary (a file, folder or name); "
+                                                  "without it, the file's own multi-token-prediction layers draft")
 
 def add_beam(s: argparse.ArgumentParser) -> None:
   s.add_argument("--beam", type=int, default=0, metavar="N",

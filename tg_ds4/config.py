@@ -115,6 +115,7 @@ class ModelConfig(BaseConfig):
   # MLA (kv_lora_rank > 0)
   kv_lora_rank: int = 0
   n_dense_lead: int = 0       # with experts: the first layers have a dense FFN
+  n_nextn: int = 0            # multi-token-prediction blocks after the n_layer the forward runs (models/nextn.py)
   # optional parts, told by which tensors the file has (so the modules never read the file)
   attn_bias: bool = False          # q/k/v biases (qwen2)
   qk_norm: bool = False            # per-head q/k RMS norms (qwen3, gemma3)
@@ -235,7 +236,7 @@ class ModelConfig(BaseConfig):
       embed_scale=math.sqrt(dim) if gemma else 1.0, swa_window=swa_window if swa_layers else 0, swa_layers=swa_layers,
       rope_base_swa=float(key("rope.freq_base_swa", 10000.0)), logit_softcap=float(key("final_logit_softcapping", 0.0) or 0.0),
       q_lora_rank=int(key("attention.q_lora_rank", 0) or 0), kv_lora_rank=kv_lora,
-      moe=moe, n_dense_lead=int(key("leading_dense_block_count", 0)) if moe else 0,
+      moe=moe, n_dense_lead=int(key("leading_dense_block_count", 0)) if moe else 0, n_nextn=int(key("nextn_predict_layers", 0) or 0),
       attn_bias=has("attn_q.bias") or has("attn_qkv.bias"), qk_norm=has("attn_q_norm.weight"), sandwich_norm=has("post_attention_norm.weight"),
       fused_gate_up_exps=has("ffn_gate_up_exps.weight"), expert_bias=has("exp_probs_b.bias"),
       pos_embd=pos_embd, layer_norm=has("attn_norm.bias"), fused_qkv=has("attn_qkv.weight"), out_bias=has("attn_output.bias"),

@@ -13,6 +13,7 @@ from tinygrad import Tensor, UOp
 
 from tg_ds4.config import ModelConfig
 from tg_ds4.io.gguf import GGUFError, GGUFFile
+from tg_ds4.models import nextn
 from tg_ds4.models.deepseek4 import DS4Config, DS4Transformer
 from tg_ds4.models.transformer import Transformer
 from tg_ds4.quant import settings
@@ -61,18 +62,28 @@ def config_of(gf: GGUFFile) -> Any:
     raise GGUFError(f"{gf.path}: architecture {gf.arch!r} is not supported (supported: {', '.join(ARCHS)})")
   return a.config.from_gguf(gf)
 
+def mtp_unavailable(gf: GGUFFile) -> str | None:
+  """Why `gf`'s multi-token-prediction layers cannot draft (models/nextn.py), or None when they can."""
+  cfg = config_of(gf)
+  if not getattr(cfg, "n_nextn", 0): return "it has no multi-token-prediction layers"
+  if ARCHS[gf.arch].model is not Transformer: return f"drafting with {gf.arch}'s multi-token-prediction layers is not supported"
+  return nextn.supported(cfg)
+
 DEFAULT_CONTEXT = 4096  # the CLI's and the server's context when none is given, or the model's when that is smaller
 
 def default_context(gf: GGUFFile) -> int: return min(DEFAULT_CONTEXT, config_of(gf).ctx_len)
 
-def load_model(gf: GGUFFile, device: str, max_ctx: int | None = None, numerics: str = settings.DEFAULT_NUMERICS, slots: int = 1) -> Model:
+def load_model(gf: GGUFFile, device: str, max_ctx: int | None = None, numerics: str = settings.DEFAULT_NUMERICS, slots: int = 1,
+               mtp: bool = False) -> Model:
   """The model of `gf`: config, weights (packed, mmapped), caches for `max_ctx` positions (default: the file's context).
   A context past the trained one is allowed, as llama.cpp allows it, with one warning: the math is defined there (RoPE
   of any position), only the model's quality is not. `numerics`: how quantized matmuls treat their inputs
-  (quant/activations.py: "auto", "exact" or "llama.cpp")."""
+  (quant/activations.py: "auto", "exact" or "llama.cpp"). `mtp`: with the multi-token-prediction block, for drafting
+  (models/nextn.py; deepseek2 files)."""
   cfg = config_of(gf)
   if (max_ctx := max_ctx or cfg.ctx_len) > cfg.ctx_len and getattr(cfg, "pos_embd", False):
     raise GGUFError(f"{gf.path}: learned positions (position_embd) for {cfg.ctx_len} tokens, a context of {max_ctx} was asked for")
   if max_ctx > cfg.ctx_len:
     logging.getLogger("tg_ds4").warning("%s: a context of %d positions exceeds the %d the model was trained for", gf.path.name, max_ctx, cfg.ctx_len)
-  return ARCHS[gf.arch].model.load(cfg, gf, device, max_ctx, settings.check(numerics), slots)
+  if mtp and (why := mtp_unavailable(gf)) is not None: raise GGUFError(f"{gf.path}: {why}")
+  return ARCHS[gf.arch].model.load(cfg, gf, device, max_ctx, settings.check(numerics), slots, **({"mtp": True} if mtp else {}))

@@ -11,9 +11,10 @@ import numpy as np
 from tinygrad import Tensor, UOp, dtypes
 
 from tg_ds4.backend import compat
+from tg_ds4.backend.buffers import zeros
 from tg_ds4.config import ModelConfig
 from tg_ds4.io.gguf import GGUFError, GGUFFile
-from tg_ds4.models import widen
+from tg_ds4.models import nextn, widen
 from tg_ds4.nn.cache_rows import Rows
 from tg_ds4.nn.dsa import DSA
 from tg_ds4.nn.gqa import GQA
@@ -83,6 +84,7 @@ class Transformer:
   MAX_FORWARD_TOKENS: int | None = None  # a forward takes any number of tokens
   max_rewind: int | None = None          # a run may start at any cached position
   slots = 1                              # sequences whose caches sit side by side (nn/cache_rows.py)
+  nextn: nextn.NextN | None = None       # the multi-token-prediction block, loaded for drafting (models/nextn.py)
 
   def __init__(self, cfg: ModelConfig):
     self.cfg = cfg
@@ -96,14 +98,20 @@ class Transformer:
     self.output = Linear(cfg.dim, cfg.n_vocab)
 
   @classmethod
-  def load(cls, cfg: ModelConfig, gf: GGUFFile, device: str, max_ctx: int, numerics: str, slots: int = 1) -> Transformer:
+  def load(cls, cfg: ModelConfig, gf: GGUFFile, device: str, max_ctx: int, numerics: str, slots: int = 1,
+           mtp: bool = False) -> Transformer:
     """Weights from the file (packed; see nn/layers.py's load_weights), CPU re-encodings, caches (`slots` sequences side by
-    side: nn/cache_rows.py) and rope tables."""
+    side: nn/cache_rows.py) and rope tables. `mtp`: also the multi-token-prediction block, which every step then
+    follows (models/nextn.py)."""
     model = cls(cfg)
     rename = {} if "output.weight" in gf else {"output.weight": "token_embd.weight"}  # tied embeddings
     for i, b in enumerate(model.blk):
       if cfg.mla and f"blk.{i}.attn_k_b.weight" not in gf: _split_kv_b(b.attn, gf, i, device)
     load_weights(model, gf, device, rename)
+    if mtp:  # families.mtp_unavailable has checked that the file has a block this class runs
+      model.nextn, n = nextn.NextN(Block(cfg, cfg.n_layer), cfg), cfg.n_layer
+      if f"blk.{n}.attn_k_b.weight" not in gf: _split_kv_b(model.nextn.block.attn, gf, n, device)
+      load_weights(model.nextn.block, gf, device, prefix=f"blk.{n}.")
     model.settings = settings.Settings.for_model(device, numerics)
     widen.prepare(model, model.settings)
     for b in model.blk:
@@ -121,9 +129,15 @@ class Transformer:
     # (llama.cpp's rope_freq_scale_train_swa stays 1 for gemma3/gemma4: Gemma 3 4B-27B files say factor 8 for the rest)
     rope_swa = dataclasses.replace(cfg.rope, base=cfg.rope_base_swa, dim=cfg.rope_dim_swa or cfg.rope.dim, freq_scale=1.0)
     model.rope_swa = rope_table(rope_swa, rows, device) if cfg.swa_layers else None
-    for b in model.blk: b.attn.init_cache(rows, device, model.settings.cache, slots)
+    for b in model.blocks(): b.attn.init_cache(rows, device, model.settings.cache, slots)
+    if model.nextn is not None:  # row r + 1: position r's final hidden state; row 0 stays zero (models/nextn.py)
+      model.hidden = zeros((slots, rows + 1, cfg.dim), dtypes.float32, device)
     model.slots = slots
     return model
+
+  def blocks(self) -> list[Block]:
+    """The blocks the forward runs, and the multi-token-prediction block when loaded."""
+    return self.blk + ([self.nextn.block] if self.nextn is not None else [])
 
   def forward(self, tokens: Tensor | UOp | list[UOp], start_pos: int | UOp | Rows, last_only: bool = False,
               select: Tensor | None = None) -> Tensor:
@@ -133,16 +147,18 @@ class Transformer:
     A batched step: one token per row as bound variables, and `start_pos` the rows' slots and positions (nn/cache_rows.py's
     Rows) -> `[B, 1, vocab]`."""
     with self.settings.active():
-      x = self.token_embd(tokens)
+      x = emb = self.token_embd(tokens)
       if self.cfg.embed_scale != 1.0: x = x * self.cfg.embed_scale
       if self.cfg.pos_embd: x = x + Rows.of(start_pos).table(self.pos_rows, x.shape[1])
       if self.cfg.per_layer_dim and isinstance(tokens, list): pl = Tensor.cat(*[self.per_layer_inputs(t, x[b:b + 1]) for b, t in enumerate(tokens)])
       else: pl = self.per_layer_inputs(tokens, x) if self.cfg.per_layer_dim else None
       kvs = {}
       for i, b in enumerate(self.blk): x = b(x, start_pos, self.rope_swa if b.swa else self.rope, kvs, None if pl is None else pl[:, :, i])
-      if last_only: x = x[:, -1:]
-      if select is not None: x = (x * select).sum(1, keepdim=True)
-      return self.head(x)
+      h = self.output_norm(x)
+      if self.nextn is not None: h = self.nextn.follow(self, tokens, emb, h, start_pos)
+      if last_only: h = h[:, -1:]
+      if select is not None: h = (h * select).sum(1, keepdim=True)
+      return self.project(h)
 
   def per_layer_inputs(self, tokens: Tensor | UOp, x: Tensor) -> Tensor:
     """gemma4: every layer's per-layer input `[B, T, n_layer, P]` from the token's row of per_layer_token_embd and a
@@ -152,9 +168,16 @@ class Transformer:
     p = self.per_layer_proj_norm((self.per_layer_model_proj(x) * (1 / math.sqrt(D))).reshape(*x.shape[:2], L, P))
     return ((p + t.reshape(*x.shape[:2], L, P)) * (1 / math.sqrt(2))).contiguous()
 
-  def head(self, x: Tensor) -> Tensor:
-    logits = self.output(matmul_input(self.output_norm(x)))
+  def head(self, x: Tensor) -> Tensor: return self.project(self.output_norm(x))
+
+  def project(self, h: Tensor) -> Tensor:
+    """The normed hidden state -> logits."""
+    logits = self.output(matmul_input(h))
     return (logits / (c := self.cfg.logit_softcap)).tanh() * c if self.cfg.logit_softcap else logits
+
+  def draft(self, token: UOp, start_pos: UOp | Rows) -> Tensor:
+    """The multi-token-prediction block's draft step (models/nextn.py): logits `[1, 1, vocab]`."""
+    with self.settings.active(): return self.nextn.draft(self, token, start_pos)
 
   def check_resume(self, start_pos: int) -> None: pass  # every row of a cached prefix stays in the cache
 
@@ -164,9 +187,11 @@ class Transformer:
     (nor the slot: the shapes are those of a model with one slot)."""
     one = lambda t: t if self.slots == 1 else t[slot:slot + 1]
     prefix = lambda n: n
-    return [(f"blk.{i}.attn.cache", one(b.attn.cache), 1, prefix) for i, b in enumerate(self.blk) if b.attn.cache is not None] + \
-      [(f"blk.{i}.attn.idx_cache", one(b.attn.idx_cache), 1, prefix) for i, b in enumerate(self.blk)
-       if getattr(b.attn, "idx_cache", None) is not None]
+    bs = self.blocks()
+    return [(f"blk.{i}.attn.cache", one(b.attn.cache), 1, prefix) for i, b in enumerate(bs) if b.attn.cache is not None] + \
+      [(f"blk.{i}.attn.idx_cache", one(b.attn.idx_cache), 1, prefix) for i, b in enumerate(bs)
+       if getattr(b.attn, "idx_cache", None) is not None] + \
+      ([("hidden", one(self.hidden), 1, lambda n: n + 1)] if self.nextn is not None else [])
 
 def _rope_freqs(gf: GGUFFile, dim: int) -> np.ndarray | None:
   """The file's `rope_freqs.weight` (llama 3.1+: one divisor per rotated pair), or None."""

@@ -42,7 +42,8 @@ def interleave(model, settings, release=lambda t: None) -> None:
   with settings.active():
     if "Q4_0" not in settings.caps.int_dot_formats or not activations.rounds("Q4_0", settings.caps.device): return
   owners = [(o, a, w) for o, a, w in packed_weights(model) if isinstance(o, Linear) and a == "weight" and w.ndim == 2]
-  for m in [b.ffn for b in getattr(model, "blk", []) if isinstance(getattr(b, "ffn", None), MoE)]:
+  blocks = model.blocks() if hasattr(model, "blocks") else getattr(model, "blk", [])
+  for m in [b.ffn for b in blocks if isinstance(getattr(b, "ffn", None), MoE)]:
     owners += [(p, "weight", p.weight) for p in (m.ffn_gate_up_exps, m.ffn_gate_exps, m.ffn_up_exps, m.ffn_down_exps) if p is not None]
   bases: dict[int, int] = {}
   for _, _, w in owners: bases[id(w._src[0].uop.base)] = bases.get(id(w._src[0].uop.base), 0) + 1

@@ -34,10 +34,13 @@ def store_rows(cache: Tensor, new: Tensor, rows: Rows) -> Tensor:
   """Store row b of `new` `[B, T, ...]` at cache rows pos_b..pos_b+T of slot_b of `cache` `[slots, max_ctx, ...]`;
   return all of the cache, ordered after the stores. Building the stores into the graph (not `assign().realize()`)
   keeps them fusable and lets TinyJit capture them with symbolic positions and slots."""
-  T = new.shape[1]
-  new = new.cast(cache.dtype)
-  stores = [cache[s:s + 1, p:p + T].uop.store((new if len(rows) == 1 else new[b:b + 1]).uop) for b, (s, p) in enumerate(rows)]
-  return Tensor(cache.uop.after(*stores))
+  return Tensor(cache.uop.after(*row_stores(cache, new, rows)))
+
+def row_stores(cache: Tensor, new: Tensor, rows: Rows) -> list[UOp]:
+  """store_rows' stores, for a caller that orders them after others (models/nextn.py): the after-node of a buffer may
+  list stores into other buffers, as long as their values do not read that buffer's after-node."""
+  T, new = new.shape[1], new.cast(cache.dtype)
+  return [cache[s:s + 1, p:p + T].uop.store((new if len(rows) == 1 else new[b:b + 1]).uop) for b, (s, p) in enumerate(rows)]
 
 def slot_rows(cache: Tensor, slot: int | UOp, n: int | UOp) -> Tensor:
   """Rows [0, n) of one slot of `cache` `[slots, max_ctx, ...]` -> `[1, n, ...]`."""

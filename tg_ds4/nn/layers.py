@@ -156,9 +156,9 @@ def packed_weights(obj):
     if isinstance(v, QTensor): yield obj, k, v
     elif isinstance(v, list) or _is_module(v): yield from packed_weights(v)
 
-def load_weights(model, gf: GGUFFile, device: str | None = None, rename: dict[str, str] | None = None) -> None:
-  """Replace every Param below `model` by the GGUF tensor of the same name, checking shapes."""
-  for name, owner, attr, p in _walk(model):
+def load_weights(model, gf: GGUFFile, device: str | None = None, rename: dict[str, str] | None = None, prefix: str = "") -> None:
+  """Replace every Param below `model` by the GGUF tensor of the same name (`prefix` + its attribute path), checking shapes."""
+  for name, owner, attr, p in _walk(model, prefix):
     src = (rename or {}).get(name, name)
     if src not in gf:
       if p.optional: value = None

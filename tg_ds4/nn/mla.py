@@ -74,10 +74,8 @@ class MLA:
     # several rows: the query materialized once; read through the concatenation, each row's scores kernel lost its 8 lanes
     if len(rows) > 1: q = q.contiguous()
 
-    kv = self.attn_kv_a_mqa(x)
-    k_new = self.attn_kv_a_norm(kv[..., :L], per_element=True).cat(apply_rope(kv[..., L:], rope, start_pos, cfg.rope.type), dim=-1)
     # every row's new cache rows stored at once (one store per cache buffer per forward), before any row reads them
-    cache, keys, o = store_rows(self.cache, k_new, rows), self.stored_keys(x, rows, rope), []
+    cache, keys, o = store_rows(self.cache, self.new_rows(x, start_pos, rope), rows), self.stored_keys(x, rows, rope), []
     if (kernel := self.attention_kernel(rows)) is not None:  # each row's attention as one C kernel (nn/attention_kernel.py)
       o = [attention_kernel.attention(q[b].transpose(0, 1), cache, s, p, *kernel).transpose(0, 1).unsqueeze(0) for b, (s, p) in enumerate(rows)]
     for b, (s, p) in enumerate(rows if kernel is None else ()):  # each row over its own slot's rows (nn/cache_rows.py)
@@ -97,6 +95,12 @@ class MLA:
     # a chunk's heads laid out token-major first: read through the transpose, the attn_output GEMM's reduction splits
     # into head and value axes and misses kernel_opts' GEMM shape
     return self.attn_output(o.contiguous() if T > 1 else o)
+
+  def new_rows(self, x: Tensor, start_pos: int | UOp | Rows, rope: Tensor) -> Tensor:
+    """The cache rows `[B, T, L+R]` of the normed input `x`: `[rms_norm(kv_cmpr) ; rope(k_pe)]`."""
+    L = self.cfg.kv_lora_rank
+    kv = self.attn_kv_a_mqa(x)
+    return self.attn_kv_a_norm(kv[..., :L], per_element=True).cat(apply_rope(kv[..., L:], rope, start_pos, self.cfg.rope.type), dim=-1)
 
   def attention_kernel(self, rows: Rows) -> tuple | None:
     """(layout, scale, vector unit) for nn/attention_kernel.py's C kernel where the rows' attention takes it: on a device

@@ -213,7 +213,7 @@ class Batcher:
     """One speculative round of `s`: k drafts, one verify step in its slot, the accepted drafts and the target's next token."""
     k, held = self.speculative, self.slot_tokens[s.slot]
     seq = held + [s.token]
-    drafts, _ = self.drafter.propose(seq, k, (), None)
+    drafts, _ = self.drafter.propose(seq, k, (), None, s.slot)
     new = verify_greedy(self.runner, s.token, drafts, s.pos, s.slot)
     self.slot_tokens[s.slot] = seq + new[:-1]  # rows of the pending token and the accepted drafts
     self.drafted, self.accepted = self.drafted + k, self.accepted + len(new) - 1

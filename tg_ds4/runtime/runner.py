@@ -134,12 +134,13 @@ class Runner:
 
   @staticmethod
   def load(path: str | pathlib.Path | GGUFFile, max_ctx: int | None = None, device: str | None = None,
-           numerics: str = settings.DEFAULT_NUMERICS, parallel: int = 1) -> Runner:
+           numerics: str = settings.DEFAULT_NUMERICS, parallel: int = 1, mtp: bool = False) -> Runner:
     """Load a model for `max_ctx` positions (default: the file's context). `numerics` (quant/activations.py): "auto"
     takes llama.cpp's rounding and integer dot products where the device runs them natively and exact float math
     elsewhere, "exact" float math everywhere, "llama.cpp" its rounding of every quantized matmul's input (for
     token-exact comparisons with llama.cpp). `parallel` > 1 keeps that many sequences' caches side by side (plus a
-    scratch slot) for the batched steps (runtime/batcher.py's Batcher)."""
+    scratch slot) for the batched steps (runtime/batcher.py's Batcher). `mtp`: load the file's multi-token-prediction
+    block for drafting (`draft_next`; every step then also fills its cache, models/nextn.py)."""
     if not 1 <= parallel <= BATCHES[-1]: raise ValueError(f"parallel must be in [1, {BATCHES[-1]}], got {parallel}")
     gf = path if hasattr(path, "infos") else open_model(path)  # a GGUFFile or io/hf_folder.py's Checkpoint, or a path to either
     device = device or Device.DEFAULT
@@ -148,9 +149,10 @@ class Runner:
     # tinygrad's pool of compile workers for them would start processes that a warm start otherwise never needs
     with Context(PARALLEL=0):
       formats.realize_tables(device)
-      model = load_model(gf, device, max_ctx, numerics, parallel + 1 if parallel > 1 else 1)
+      model = load_model(gf, device, max_ctx, numerics, parallel + 1 if parallel > 1 else 1, mtp)
     compat.release_freed_buffers(device)
-    settings = dict(max_ctx=model.max_ctx, numerics=activations.effective(numerics, device)) | ({"slots": model.slots} if model.slots > 1 else {})
+    settings = dict(max_ctx=model.max_ctx, numerics=activations.effective(numerics, device)) | ({"slots": model.slots} if model.slots > 1 else {}) | \
+      ({"mtp": True} if mtp else {})
     return Runner(model, stepcache.for_model(model, gf, device, **settings), device)
 
   # *** the captured steps
@@ -260,6 +262,30 @@ class Runner:
     out = host_array(j(self._tok(token), *self._where(pos), *sampling))
     self._wrote(token, pos)
     return out[0]
+
+  def draft_next(self, token: int, pos: int, slot: int = 0, sampling: tuple = ()) -> int | np.ndarray:
+    """The multi-token-prediction block's draft step (a runner loaded with `mtp`): `token` at `pos`, whose position - 1
+    the target (or the draft step before) has computed -> the draft of the token at pos + 2: its greedy id, or with
+    `sampling` (params.tensors()) the distribution `[vocab]` to draw it from. The target's own rows are untouched."""
+    out = host_array(self._draft(token, pos, slot, sampling)[0])
+    return int(out.item()) if not sampling else out[0]
+
+  def draft_logits(self, token: int, pos: int, slot: int = 0) -> np.ndarray:
+    """The logits `[vocab]` the greedy draft step (`draft_next`) chose from."""
+    return host_array(self._draft(token, pos, slot, ())[1])[0]
+
+  def _draft(self, token: int, pos: int, slot: int, sampling: tuple) -> tuple[Tensor, Tensor]:
+    """The captured draft step -> (its greedy id `[1, 1]` or distribution `[1, vocab]`, the logits `[1, vocab]`)."""
+    if getattr(self.model, "nextn", None) is None: raise ValueError("the runner was loaded without the multi-token-prediction block")
+    if (j := self._jits.get(name := f"mtp-{'dist' if sampling else 'greedy'}")) is None:
+      m, nw, is_greedy = self.model, len(self._where(0)), not sampling
+      def step(tok, *args):
+        logits = m.draft(tok, self._start(*args[:nw]))[:, -1]
+        out = greedy(logits) if is_greedy else distribution(logits, *args[nw:])
+        Tensor.realize(out, logits)
+        return out, logits
+      j = self._step(name, step)
+    return j(self._tok(token), *self._where(pos, slot), *sampling)
 
   def forget(self, n: int) -> None:
     """Slot 0's cache rows past the first n are stale (drafted tokens the target did not accept)."""

@@ -18,7 +18,8 @@ from max(0, p - q) normalised; when all k are accepted, one more token is drawn 
 the distributions the per-token sampler draws from (sampling.py's distribution: the filters, then temperature). Every
 draw comes from a numpy generator seeded with the request's seed, so a seed gives the same text.
 
-Drafters (`Drafter`): `DraftModel`, a smaller model of the same vocabulary with its own caches."""
+Drafters (`Drafter`): `DraftModel`, a smaller model of the same vocabulary with its own caches; `MTPDraft`, the
+target's own multi-token-prediction block (models/nextn.py), which every target step keeps up to date."""
 from __future__ import annotations
 
 import os, time
@@ -34,9 +35,11 @@ from tg_ds4.runtime.sampling import SamplingParams, rng
 MAX_VOCAB_DIFFERENCE = 128  # a draft's vocabulary may be this many padding entries shorter or longer (llama.cpp's rule)
 
 class Drafter(Protocol):
-  def propose(self, seq: list[int], k: int, sampling: tuple, gen: np.random.Generator | None) -> tuple[list[int], np.ndarray | None]:
-    """k tokens to follow `seq` (the prompt and every token generated so far); greedy (`sampling` empty), or each
-    drawn with `gen` from the drafter's distribution, returned `[k, vocab]` as the acceptance rule's q."""
+  def propose(self, seq: list[int], k: int, sampling: tuple, gen: np.random.Generator | None,
+              slot: int = 0) -> tuple[list[int], np.ndarray | None]:
+    """k tokens to follow `seq` (the prompt and every token generated so far, all but the last in the target's cache
+    slot `slot`); greedy (`sampling` empty), or each drawn with `gen` from the drafter's distribution, returned
+    `[k, vocab]` as the acceptance rule's q."""
 
 class DraftModel:
   """A draft model run by its own Runner (one sequence: it follows whichever sequence asks next). It brings its cache
@@ -56,7 +59,8 @@ class DraftModel:
     n = reusable_prefix(seq, r.cached)
     return n if self.furthest - n < rewind else 0
 
-  def propose(self, seq: list[int], k: int, sampling: tuple, gen: np.random.Generator | None) -> tuple[list[int], np.ndarray | None]:
+  def propose(self, seq: list[int], k: int, sampling: tuple, gen: np.random.Generator | None,
+              slot: int = 0) -> tuple[list[int], np.ndarray | None]:
     r = self.runner
     step = (lambda t, p: r.next_distribution(t, p, sampling)) if sampling else (lambda t, p: r.next_token(t, p))
     start = self._start(seq)
@@ -73,6 +77,21 @@ class DraftModel:
       if sampling: qs.append(q := step(tok, pos)); tok = draw(q, gen)
       else: tok = int(host_array(step(tok, pos)).item())
       drafts.append(tok); pos += 1
+    return drafts, np.stack(qs) if sampling else None
+
+class MTPDraft:
+  """Drafts with the target's multi-token-prediction block (a runner loaded with `mtp`): the first draft from the
+  target's hidden state of the last token it computed, each further one from the block's own (Runner.draft_next).
+  Nothing to catch up: every target step stored the block's cache rows for its own rows."""
+  def __init__(self, runner: Runner): self.runner = runner
+
+  def propose(self, seq: list[int], k: int, sampling: tuple, gen: np.random.Generator | None,
+              slot: int = 0) -> tuple[list[int], np.ndarray | None]:
+    tok, pos, drafts, qs = seq[-1], len(seq) - 1, [], []
+    for i in range(k):
+      if sampling: qs.append(q := self.runner.draft_next(tok, pos + i, slot, sampling)); tok = draw(q, gen)
+      else: tok = self.runner.draft_next(tok, pos + i, slot)
+      drafts.append(tok)
     return drafts, np.stack(qs) if sampling else None
 
 def draw(p: np.ndarray, gen: np.random.Generator) -> int:
@@ -144,6 +163,7 @@ def warm_steps(target: Runner, drafter: Drafter, k: int) -> list[tuple[str, Call
   `cached` the caller resets) and a draft model's prefill chunks and per-token step (its rows forgotten after each)."""
   slot = target.model.slots - 1 if target.model.slots > 1 else 0
   steps: list[tuple[str, Callable[[], object]]] = [(f"verify-{k + 1}-greedy", lambda: target.verify([0] * (k + 1), 0, slot))]
+  if isinstance(drafter, MTPDraft): steps.append(("mtp-greedy", lambda: drafter.runner.draft_next(0, 0, slot)))
   if isinstance(drafter, DraftModel):
     r = drafter.runner
     steps += [(f"draft {name}", lambda run=run: (run(), r.forget(0))) for name, run in r.warm_steps()

@@ -19,7 +19,7 @@ from tg_ds4.io.registry import registry, resolve
 from tg_ds4.models.families import default_context
 from tg_ds4.quant import activations, settings
 from tg_ds4.runtime.runner import Runner
-from tg_ds4.runtime.speculative import DraftModel
+from tg_ds4.runtime.speculative import DraftModel, MTPDraft
 from tg_ds4.server import anthropic_api, openai_api
 from tg_ds4.server.body import BodyLimits, BodySlots
 from tg_ds4.server.connections import BACKLOG, RateLimited, connection_cap, limited_protocol
@@ -95,20 +95,22 @@ def load(model: str, max_context: int | None, kv_cache_dir: str | None = None, k
   """Tokenizer and template here; model and KV store on the worker's thread (see Worker), with `parallel` cache slots
   (requests generated together). Returns once the model is loaded (a bad file raises here); the warm-up compile runs
   on while the server already answers /health. The model is served as `served_name` (default served_model_id). With
-  `draft` and `speculative` = k, greedy requests without logprobs decode speculatively (runtime/speculative.py) when
-  they run alone."""
+  `speculative` = k, greedy requests without logprobs decode speculatively (runtime/speculative.py) when they run
+  alone, drafted by `draft` or, without one, by the file's multi-token-prediction block."""
   path = pathlib.Path(resolve(model))
   gf = open_model(path, quantize)
   tok, t0 = Tokenizer.from_gguf(gf), time.perf_counter()
+  mtp = bool(speculative) and not draft  # the file's own multi-token-prediction block drafts (cli checked that it can)
   def load_runner():
-    runner = Runner.load(gf, max_ctx=max_context or default_context(gf), parallel=parallel, numerics=numerics)
+    runner = Runner.load(gf, max_ctx=max_context or default_context(gf), parallel=parallel, numerics=numerics, mtp=mtp)
     if not kv_cache_dir: return runner, None
     fp = model_fingerprint(path, runner.cache_layout(), gf.identity() if hasattr(gf, "identity") else None,
                            activations.effective(numerics, runner.device))
     return runner, KVStore(kv_cache_dir, fp, kv_cache_size, kv_cache_min_tokens)
-  def load_draft():
+  def load_draft(runner: Runner):
+    if mtp: return MTPDraft(runner)
     return DraftModel(Runner.load(open_model(resolve(draft), quantize), max_ctx=max_context or default_context(gf), numerics=numerics))
-  worker = Worker(load_runner, max_queue, warmup=warmup, draft=load_draft if draft and speculative else None,
+  worker = Worker(load_runner, max_queue, warmup=warmup, draft=load_draft if speculative else None,
                   speculative=speculative).start().wait_loaded()
   model_id, max_ctx = served_name or served_model_id(model, path), worker.runner.model.max_ctx
   log.info("loaded %s (%s) in %.1fs; context %d, %d slot%s; serving it as %r%s", gf.get("general.name") or path.stem, path.name,

@@ -69,7 +69,7 @@ class Worker:
   """`load` builds the runner (and the KV store, if any) on the worker's own thread: tinygrad keeps per-thread state
   (its compile cache's SQLite connection), so the model is never touched from any other thread."""
   def __init__(self, load: Callable[[], tuple[Runner, KVStore | None]], max_queue: int = 64, warmup: bool = False,
-               draft: Callable[[], Drafter] | None = None, speculative: int = 0):
+               draft: Callable[[Runner], Drafter] | None = None, speculative: int = 0):
     self.load, self.warmup, self.runner, self.kvstore, self.load_error = load, warmup, None, None, None
     # speculative decoding (runtime/speculative.py) for greedy requests without logprobs: the drafter, loaded with the model
     self.load_draft, self.speculative, self.drafter = draft, speculative, None
@@ -118,7 +118,7 @@ class Worker:
   def _run(self):
     try:
       self.runner, self.kvstore = self.load()
-      if self.load_draft is not None: self.drafter = self.load_draft()
+      if self.load_draft is not None: self.drafter = self.load_draft(self.runner)
     except Exception as e: self.load_error = e; return
     finally: self.loaded.set()
     if self.warmup:  # every step a request can take, captured (or loaded) before the first request: none waits on a compile

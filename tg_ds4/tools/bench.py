@@ -16,7 +16,7 @@ from tg_ds4.backend.cache import cache_dir
 from tg_ds4.backend.cpu.replay import engine_threads
 from tg_ds4.io.hf_folder import Checkpoint, open_model
 from tg_ds4.io.registry import resolve
-from tg_ds4.models.families import config_of
+from tg_ds4.models.families import config_of, mtp_unavailable
 from tg_ds4.quant import activations, settings
 from tg_ds4.runtime.batcher import Batcher, Request
 from tg_ds4.runtime.runner import Runner, reusable_prefix
@@ -123,16 +123,21 @@ class SpeculativeSide:
   """TgSide's runner decoding with speculation (runtime/speculative.py): `draft` proposes k tokens per verify step. The
   rate is tokens over the whole decode (steps are uneven: each round emits 1..k+1 tokens), set against plain decode's
   over the same tokens; the acceptance is the share of drafts kept."""
-  def __init__(self, tg: TgSide, draft, k: int, numerics: str):
-    from tg_ds4.runtime.speculative import DraftModel
+  def __init__(self, tg: TgSide, draft, k: int, numerics: str, gf=None):
+    """`draft`: the draft model's file; None: `gf`'s own multi-token-prediction block, in a runner of its own (its
+    steps also fill the block's cache), so that plain decode stays the runner a plain `generate` loads."""
+    from tg_ds4.runtime.speculative import DraftModel, MTPDraft
     self.tg, self.k, self.rates, self.acceptance = tg, k, [], []
-    self.drafter = DraftModel(Runner.load(draft, max_ctx=tg.runner.model.max_ctx, numerics=numerics))
+    if draft is None:
+      self.runner = Runner.load(gf, max_ctx=tg.runner.model.max_ctx, numerics=numerics, mtp=True)
+      self.drafter = MTPDraft(self.runner)
+    else: self.runner, self.drafter = tg.runner, DraftModel(Runner.load(draft, max_ctx=tg.runner.model.max_ctx, numerics=numerics))
     for _ in range(2): self._run(8)  # compile + capture the draft's steps and the verify step
 
   def _run(self, n: int):
     from tg_ds4.runtime.speculative import speculate
-    for _ in speculate(self.tg.runner, self.drafter, self.tg.prompt, n, self.k): pass
-    return self.tg.runner.stats
+    for _ in speculate(self.runner, self.drafter, self.tg.prompt, n, self.k): pass
+    return self.runner.stats
 
   def once(self) -> None:
     st = self._run(self.tg.gen)
@@ -290,19 +295,21 @@ def run(model: str, prompt_tokens: int = 128, gen: int = 64, repeat: int = 3, vs
          "threads": engine_threads(), "beam": int(os.environ.get("JITBEAM", 0)), "numerics": activations.effective(numerics, Device.DEFAULT)}
   # the batched run first: a model without slots fails at once
   if parallel > 1: res["parallel"] = bench_parallel(gf, prompt, gen, repeat, parallel, numerics)
-  if speculative:
+  dgf = None
+  if speculative and draft is not None:
     from tg_ds4.runtime.speculative import vocab_mismatch
     dgf = open_model(resolve(draft), quantize)
     if (why := vocab_mismatch(gf.metadata, dgf.metadata)) is not None: raise BenchError(f"{draft} cannot draft for {model}: {why}")
+  elif speculative and (why := mtp_unavailable(gf)) is not None: raise BenchError(f"{model} has nothing to draft with ({why}): pass a draft")
   tg = TgSide(gf, prompt, gen, numerics)
-  spec = SpeculativeSide(tg, dgf, speculative, numerics) if speculative else None
+  spec = SpeculativeSide(tg, dgf, speculative, numerics, gf) if speculative else None
   ll = LlamaProcess(path, prompt, gen, res["threads"], parallel, repeat) if vs_llama_cpp else None  # the same threads
   for _ in range(repeat):
     tg.once()
     if spec is not None: spec.once()
     if ll is not None: ll.once()
   res["tg_ds4"], res["model_bytes"] = tg.result(), model_bytes(path)
-  if spec is not None: res["speculative"] = spec.result() | {"draft": draft}
+  if spec is not None: res["speculative"] = spec.result() | {"draft": draft or "its multi-token-prediction block"}
   res["device"] = Device.DEFAULT
   if parallel > 1: res["parallel"]["vs_one_stream"] = res["parallel"]["aggregate_decode_tps"] / res["tg_ds4"]["decode_tps"]
   if on_cpu(None):  # the host's streaming read is the CPU's roofline; a GPU's memory is another
