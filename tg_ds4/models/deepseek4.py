@@ -264,8 +264,8 @@ class Compressor:
     # rows of one slot (a verify step's consecutive positions of one sequence) touch their windows as one chunk would:
     # each window's candidate pooled once from the post-store state ring, not stored by several rows
     runs: list[list] = []
-    for slot, start_pos in rows:
-      if runs and runs[-1][0] is slot: runs[-1][2] += T
+    for b, (slot, start_pos) in enumerate(rows):
+      if rows.continues(b): runs[-1][2] += T
       else: runs.append([slot, start_pos, T])
     for slot, start_pos, count in runs:
       w0 = start_pos // R
@@ -359,8 +359,8 @@ class DS4Attention:
     cfg, T, R = self.cfg, q.shape[1], self.ratio
     chosen = None
     # rows of one slot (a verify step's consecutive positions of one sequence) keep their choices in rows of their own
-    first = [T * sum(1 for s2, _ in list(rows)[:b] if s2 is s or (isinstance(s, int) and isinstance(s2, int) and s2 == s))
-             for b, (s, _) in enumerate(rows)]
+    first = [0] * len(rows)
+    for b in range(1, len(rows)): first[b] = first[b - 1] + T if rows.continues(b) else 0
     if picks is not None:
       stores = [self.chosen[s:s + 1, o:o + T, :pick.shape[1]].uop.store(pick.cast(dtypes.uint8).reshape(1, T, -1).uop)
                 for (s, _), pick, o in zip(rows, picks, first)]

@@ -47,25 +47,19 @@ def supported(cfg: ModelConfig) -> str | None:
   if cfg.moe is None or not cfg.is_moe_layer(cfg.n_layer): return "the multi-token-prediction block is expected to have experts"
   return None
 
-def _rows_of(t: Tensor, b: int, n: int) -> Tensor: return t if n == 1 else t[b:b + 1]
-
-def runs_on(rows: Rows, b: int) -> bool:
-  """Row b continues row b - 1's sequence (the same slot object: a verify step's rows at consecutive positions)."""
-  return b > 0 and rows.slot[b] is rows.slot[b - 1]
-
 class NextN:
   """The block and its `nextn` parameters; `block` is a models/transformer.py Block (attention, experts, norms)."""
   def __init__(self, block, cfg: ModelConfig):
-    self.block, self.cfg = block, cfg
+    self.block = block
     self.block.nextn = NextNParams(cfg)
 
   @property
   def p(self) -> NextNParams: return self.block.nextn
 
-  def _input(self, model, tokens, emb: Tensor, h_prev: Tensor) -> Tensor:
-    """eh_proj([enorm(embed(tokens)) ; hnorm(h_prev)]) `[B, T, D]`."""
+  def _input(self, model, tokens, h_prev: Tensor, emb: Tensor | None = None) -> Tensor:
+    """eh_proj([enorm(embed(tokens)) ; hnorm(h_prev)]) `[B, T, D]`; `emb`: the main embedding of `tokens`, if computed."""
     p = self.p
-    e = p.embed_tokens(tokens) if p.embed_tokens.weight is not None else emb
+    e = p.embed_tokens(tokens) if p.embed_tokens.weight is not None else model.token_embd(tokens) if emb is None else emb
     return p.eh_proj(matmul_input(p.enorm(e).cat(p.hnorm(h_prev), dim=-1)))
 
   def follow(self, model, tokens, emb: Tensor, h: Tensor, start_pos: int | UOp | Rows) -> Tensor:
@@ -74,10 +68,10 @@ class NextN:
     rows, (B, T, _) = Rows.of(start_pos), h.shape
     prev = []
     for b, (s, p) in enumerate(rows):  # h of each row's position - 1: this step's previous row, or the stored one
-      first = h[b - 1:b, -1:] if runs_on(rows, b) else model.hidden[s:s + 1, p:p + 1]
-      prev.append(first if T == 1 else first.cat(_rows_of(h, b, B)[:, :-1], dim=1))
+      first = h[b - 1:b, -1:] if rows.continues(b) else model.hidden[s:s + 1, p:p + 1]
+      prev.append(first if T == 1 else first.cat(h[b:b + 1, :-1], dim=1))
     h_prev = prev[0] if B == 1 else Tensor.cat(*prev)
-    k_new = self.block.attn.new_rows(matmul_input(self.block.attn_norm(self._input(model, tokens, emb, h_prev))), start_pos, model.rope)
+    k_new = self.block.attn.new_rows(matmul_input(self.block.attn_norm(self._input(model, tokens, h_prev, emb))), start_pos, model.rope)
     stored = model.hidden[:, 1:]  # row r + 1 holds position r's hidden state; row 0 stays zero (position -1)
     after = Tensor(model.hidden.uop.after(*row_stores(stored, h, rows), *row_stores(self.block.attn.cache, k_new, rows)))[:, 1:]
     back = [after[s:s + 1, p:p + T] for s, p in rows]
@@ -87,8 +81,7 @@ class NextN:
     """One draft step: the token at position p (a bound variable) -> logits `[1, 1, vocab]` of the token at p + 2,
     with this block's cache row and hidden state of p stored."""
     (s, p), = Rows.of(start_pos)
-    emb = model.token_embd(token)
-    x = self.block(self._input(model, token, emb, model.hidden[s:s + 1, p:p + 1]), start_pos, model.rope)
+    x = self.block(self._input(model, token, model.hidden[s:s + 1, p:p + 1]), start_pos, model.rope)
     pn = self.p
     h = pn.shared_head_norm(x) if pn.shared_head_norm.weight is not None else model.output_norm(x)
     after = Tensor(model.hidden.uop.after(*row_stores(model.hidden[:, 1:], h, Rows.of(start_pos))))[:, 1:]

@@ -22,6 +22,13 @@ class Rows:
     """One row in slot 0 at `start_pos` (a single-sequence forward), or `start_pos` itself."""
     return start_pos if isinstance(start_pos, Rows) else Rows((0,), (start_pos,))
 
+  def continues(self, b: int) -> bool:
+    """Row b continues row b - 1's sequence: the same slot (one variable, or one int), as a verify step's rows at
+    consecutive positions have it (runtime/runner.py's Runner.verify); a batched step's rows each have a slot of their own."""
+    if b == 0: return False
+    s, t = self.slot[b], self.slot[b - 1]
+    return s is t or (isinstance(s, int) and isinstance(t, int) and s == t)
+
   def __len__(self) -> int: return len(self.pos)
   def __iter__(self): return iter(zip(self.slot, self.pos))
 
