@@ -59,7 +59,7 @@ path, ids = sys.argv[1], json.loads(sys.argv[2])
 r = Runner.load(path, max_ctx=max(64, len(ids)))
 rows = [r.decode(t, i).numpy()[0, 0] for i, t in enumerate(ids)]
 np.save(sys.argv[3], np.stack(rows))
-print(json.dumps({"device": Device.DEFAULT, "replayed": type(r._jits["decode"].captured).__name__}))
+print(json.dumps({"device": Device.DEFAULT, "replayed": type(r._jits["greedy"].captured).__name__}))
 """
 
 DS3, DS4 = ROOT / "deepseek2" / "ds3", ROOT / "deepseek4" / "flash"

@@ -104,9 +104,9 @@ def test_decode_recompiles_nothing():
   recapture."""
   decode("MXFP4")
   m = load("MXFP4")
-  n, captured = len(to_program_cache), m._jits["decode"].captured
+  n, captured = len(to_program_cache), m._jits["greedy"].captured
   for i in range(120, 135): m.decode(IDS[i], i).realize()  # 127: a ratio-128 row completes
-  assert len(to_program_cache) == n and m._jits["decode"].captured is captured
+  assert len(to_program_cache) == n and m._jits["greedy"].captured is captured
 
 def test_mtp_block_is_ignored(tmp_path):
   """A GGUF that also carries an MTP block (`nextn_predict_layers`, one more `blk.N`) loads as the same 3-layer model."""

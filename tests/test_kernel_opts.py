@@ -298,13 +298,18 @@ def _decode_step_kernels() -> list[Tensor]:
   return [greedy(logits), sample(logits, *sp, rng), _with_logprobs(logits, sample(logits, *sp, rng), 5)]
 
 def _sampling_kernels(vocab: int) -> list[Tensor]:
-  """The sampling and logprob heads over a real vocabulary: its reductions split into scalar and bool kernels."""
+  """The sampling and logprob heads over a real vocabulary, and a threshold search by halving (counts over it compared
+  to a bound): its reductions split into scalar and bool kernels."""
   from tg_ds4.runtime.runner import _with_logprobs
   from tg_ds4.runtime.sampling import SamplingParams, greedy, sample
   logits = Tensor(np.random.default_rng(vocab).standard_normal((1, vocab)).astype(np.float32)).realize()
   sp, rng = SamplingParams(0.8, 40, 0.95, 0.05, 1).tensors(), Tensor([1, 2], dtype=dtypes.uint32)
   tok = sample(logits, *sp, rng)
-  return [tok, greedy(logits), _with_logprobs(logits, tok, 20)]
+  lo, hi = logits.min(-1, keepdim=True), logits.max(-1, keepdim=True)
+  for _ in range(24):  # threshold halvings to float precision, each one count over the vocabulary
+    ok = (logits >= (mid := (lo + hi) / 2)).sum(-1, keepdim=True) >= 40
+    lo, hi = ok.where(mid, lo), ok.where(hi, mid)
+  return [tok, greedy(logits), _with_logprobs(logits, tok, 20), lo]
 
 def _odd_kernels() -> list[Tensor]:
   n = UOp.variable("n", 1, 32).bind(5)

@@ -42,8 +42,8 @@ def test_decode_equals_prefill_and_jit_replays(tiny):
   outs, captured = [], None
   for i, t in enumerate(TOKENS):
     outs.append(m.decode(t, i).numpy()[0, 0])
-    if i == 0: captured = m._jits["decode"].captured       # replay.Jit captures on its first call
-    if i >= 1: assert m._jits["decode"].captured is captured, f"decode recaptured at step {i}"
+    if i == 0: captured = m._jits["greedy"].captured       # replay.Jit captures on its first call
+    if i >= 1: assert m._jits["greedy"].captured is captured, f"decode recaptured at step {i}"
   assert captured is not None and len(TOKENS) - 2 >= 3  # replayed at 3+ growing positions
   got = np.stack(outs)
   assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()

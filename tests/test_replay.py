@@ -20,7 +20,7 @@ def steps(path, fast: bool, monkeypatch, n: int = 40):
     GlobalCounters.reset()
     logits = m.decode((7 * i) % 50 + 1, i).numpy()
     out.append((logits, GlobalCounters.kernel_count, GlobalCounters.global_mem))
-  assert (type(m._jits["decode"].captured) is FastCPUReplay) == fast
+  assert (type(m._jits["greedy"].captured) is FastCPUReplay) == fast
   return out
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
@@ -47,7 +47,7 @@ def test_argument_addresses_equal_tinygrads(path):
   from tg_ds4.backend.cpu.replay import _extent, _is_input
   m = Runner.load(path, max_ctx=64)
   m.decode(3, 0)
-  args = [b for call in m._jits["decode"].captured.linear.src if call.src[0].op is Ops.PROGRAM
+  args = [b for call in m._jits["greedy"].captured.linear.src if call.src[0].op is Ops.PROGRAM
           for i in call.src[0].arg.globals if not _is_input(b := get_call_arg_uops(call)[i])]
   fast = [b for b in args if (b.src[0] if b.op is Ops.BITCAST else b).op is Ops.SHRINK]
   assert len(fast) > 50

@@ -128,4 +128,4 @@ def test_a_step_is_saved_once_with_tinygrads_replay(cache, monkeypatch):
   monkeypatch.setenv("TG_DS4_FAST_REPLAY", "0")
   e = Runner.load(str(DS3), max_ctx=64)
   for i, t in enumerate(PROMPT): e.decode(t, i)
-  assert type(e._jits["decode"].captured).__name__ == "CapturedJit" and e.step_cache.saved == 1, e.step_cache.saved
+  assert type(e._jits["greedy"].captured).__name__ == "CapturedJit" and e.step_cache.saved == 1, e.step_cache.saved

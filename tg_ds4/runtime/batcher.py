@@ -179,7 +179,7 @@ class Batcher:
       return []
     p, k = s.req.params, self._k([s.req])
     sampling = () if p.greedy else (*p.tensors(), rng(s.seed, 0))
-    tok = r.head_step(p.greedy, k)(out, *sampling)
+    tok = r.head(out, "greedy" if p.greedy else "sample", k)(out, *sampling)
     return self._emitted(s, host_array(tok)[0], k)
 
   def _decode(self, rows: list[_Seq]) -> list[Event]:

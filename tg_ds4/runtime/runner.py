@@ -3,13 +3,16 @@
 Loading (`Runner.load`): the model file is read once (models/families.py's load_model), and the captured steps bind to
 the step cache of that file and these settings. The steps, each a runtime/jit.py Jit captured on first use (or loaded
 from the step cache):
-  * `decode`: one token -> logits (the logits CLI, tests);
   * `prefill-{C}`: a chunk of C tokens -> the logits of one selected position; `chunk-{C}`: all C positions (models
     whose forward takes at most C tokens);
-  * `greedy`, `sample`, `logprobs-*`: one token -> the next token id (and log-probabilities), sampled on the device, so
-    the only per-token host traffic is the 4-byte id being streamed out and back in; the step's logits stay on the
-    device as a second output (the head writes them to a buffer either way), which `engine_logits` reads;
-  * `head-*`: the first token from a prefill chunk's logits.
+  * `greedy`, `batch-{B}`, `verify-{B}`, `mtp`: the forwards of one token, of B sequences' next tokens, of B positions
+    of one sequence, and of the multi-token-prediction block -> the greedy next ids and the logits they were chosen
+    from (the head writes the logits to a buffer either way); a greedy request's only per-token host traffic is the
+    4-byte id being streamed out and back in;
+  * `head-{rows}-{choice}-{k}`: sampling, log-probabilities and the distributions speculative decoding compares, on
+    the device, from a forward's logits or a prefill chunk's. A step of its own: a model captures one forward per row
+    count (a server's warm-up, a cold start), not one per combination of sampling and logprobs, for the price of one
+    more small launch per token when a request samples or asks for logprobs.
 
 Generation prefills the prompt in chunks, then runs one step per token. A short prompt tail (at most FEED_TOKENS) goes
 through the per-token step instead of a prefill chunk: a padded 32-token chunk unpacks every weight to float32 and
@@ -161,30 +164,44 @@ class Runner:
     if (j := self._jits.get(name)) is None: j = self._jits[name] = Jit(fn, self.step_cache, name, self.device)
     return j
 
-  def _next_step(self, is_greedy: bool, k: int | None) -> Jit:
-    """One token -> (the next token id `[1, 1]`, or with k logprobs the `[1, 2 + 2k]` row of _with_logprobs; the logits
-    `[1, vocab]` it was chosen from)."""
-    kind = "greedy" if is_greedy else "sample"
-    if (j := self._jits.get(name := kind if k is None else f"logprobs-{kind}-{k}")) is not None: return j  # per token: no new closure
-    m = self.model
-    nw = len(self._where(0))
-    def step(tok, *args):
-      sargs = args[nw:]
-      logits = m.forward(tok, self._start(*args[:nw]), last_only=True)[:, -1]
-      nxt = greedy(logits) if is_greedy else sample(logits, *sargs)
-      out = nxt if k is None else _with_logprobs(logits, nxt, k)
-      Tensor.realize(out, logits)
-      return out, logits
+  def _forward(self, name: str, logits_of: Callable[..., Tensor]) -> Jit:
+    """A captured forward of B rows: `logits_of(*args)` `[B, vocab]` -> (the greedy next ids `[B, 1]`, those logits).
+    Every other choice of the next token is a head step on the logits (`head`), so a model captures one forward per
+    row count, whatever its requests ask for."""
+    def step(*args):
+      logits = logits_of(*args)
+      nxt = greedy(logits)
+      Tensor.realize(nxt, logits)
+      return nxt, logits
     return self._step(name, step)
 
-  def head_step(self, is_greedy: bool, k: int | None) -> Jit:
-    """The first token from a prefill chunk's `[1, 1, vocab]` logits, as a captured step like the others (so a warm
-    start lowers nothing): greedy or sampled, with k logprobs or none."""
-    def head(out, *sargs):
-      logits = out[:, -1]
-      tok = greedy(logits) if is_greedy else sample(logits, *sargs)
-      return (tok if k is None else _with_logprobs(logits, tok, k)).realize()
-    return self._step(f"head-{'greedy' if is_greedy else 'sample'}-{'ids' if k is None else k}", head)
+  def _greedy_step(self) -> Jit:
+    """The per-token forward: one token at a symbolic position (and slot) -> (its greedy next id `[1, 1]`, the logits
+    `[1, vocab]`)."""
+    if (j := self._jits.get("greedy")) is not None: return j  # per token: no new closure
+    return self._forward("greedy", lambda tok, *where: self.model.forward(tok, self._start(*where), last_only=True)[:, -1])
+
+  def head(self, logits: Tensor, choice: str, k: int | None = None) -> Jit:
+    """The captured choice from a step's logits `[B, vocab]` (a prefill chunk's `[1, 1, vocab]`: its last row), a step
+    of its own so that one captured forward per row count serves every choice: `choice` "greedy" or "sample" (the
+    sampling inputs of SamplingParams.tensors and `rng` as arguments) -> the ids `[B, 1]`, or with k logprobs the rows
+    `[B, 2 + 2k]` of _with_logprobs; "rows" (batch_step's per-row sampling inputs, a greedy flag first) likewise;
+    "dist" -> the distributions `[B, vocab]` `sample` draws from."""
+    name = f"head-{'x'.join(map(str, logits.shape[:-1]))}-{choice}-{'ids' if k is None else k}"
+    if (j := self._jits.get(name)) is not None: return j
+    def step(logits, *sargs):
+      logits = logits.reshape(-1, logits.shape[-1])
+      if choice == "dist": return distribution(logits, *sargs).realize()
+      if choice == "greedy": nxt = greedy(logits)
+      elif choice == "sample": nxt = sample(logits, *sargs)
+      else: nxt = sargs[0].reshape(-1, 1).where(greedy(logits), sample(logits, *sargs[1:]))
+      return (nxt if k is None else _with_logprobs(logits, nxt, k)).realize()
+    return self._step(name, step)
+
+  def choose(self, ids: Tensor, logits: Tensor, is_greedy: bool, sampling: tuple, k: int | None) -> Tensor:
+    """A forward step's greedy ids, or what the head step of this choice makes of its logits."""
+    if is_greedy and k is None: return ids
+    return self.head(logits, "greedy" if is_greedy else "sample", k)(logits, *sampling)
 
   def batch_step(self, tokens: list[int], slots: list[int], positions: list[int], sampling: tuple | None = None,
                  logprobs: int | None = None) -> np.ndarray:
@@ -205,23 +222,16 @@ class Runner:
       flags, temp, top_k, top_p, min_p, rng = (np.concatenate([np.asarray(a), np.repeat(np.asarray(a)[:1], pad, 0)]) for a in sampling)
       args += [inputs(flags, bool, self.device), inputs(np.maximum(temp, 1e-6), np.float32, self.device), inputs(top_k, np.int32, self.device),
                inputs(top_p, np.float32, self.device), inputs(min_p, np.float32, self.device), inputs(rng, np.uint32, self.device)]
-    out = host_array(self._batch(B, sampling is None, logprobs)(*args))
+    ids, logits = self._batch(B)(*args[:3 * B])
+    out = host_array(ids if sampling is None and logprobs is None else
+                     self.head(logits, "greedy" if sampling is None else "rows", logprobs)(logits, *args[3 * B:]))
     return out[:n, 0] if logprobs is None else out[:n]
 
-  def _batch(self, B: int, is_greedy: bool, k: int | None) -> Jit:
-    """The captured batched step of B rows: B token, slot and position variables (and the sampling inputs) -> the
-    next token ids `[B, 1]`, or the `[B, 2 + 2k]` rows of _with_logprobs."""
-    name = f"batch-{B}-{'greedy' if is_greedy else 'sample'}" + ("" if k is None else f"-logprobs-{k}")
-    if (j := self._jits.get(name)) is not None: return j
+  def _batch(self, B: int) -> Jit:
+    """The captured batched forward of B rows: B token, slot and position variables -> (greedy ids, logits `[B, vocab]`)."""
+    if (j := self._jits.get(name := f"batch-{B}")) is not None: return j
     m = self.model
-    def step(*args):
-      logits = m.forward(list(args[:B]), Rows(tuple(args[B:2 * B]), tuple(args[2 * B:3 * B])), last_only=True)[:, -1]  # [B, vocab]
-      if is_greedy: nxt = greedy(logits)
-      else:
-        flags, *sargs = args[3 * B:]
-        nxt = flags.reshape(-1, 1).where(greedy(logits), sample(logits, *sargs))
-      return (nxt if k is None else _with_logprobs(logits, nxt, k)).realize()
-    return self._step(name, step)
+    return self._forward(name, lambda *a: m.forward(list(a[:B]), Rows(tuple(a[B:2 * B]), tuple(a[2 * B:3 * B])), last_only=True)[:, -1])
 
   def verify(self, tokens: list[int], pos: int, slot: int = 0, sampling: tuple = ()) -> np.ndarray:
     """Tokens at consecutive positions pos.. of one sequence in one step, each row in the batched step's form
@@ -235,31 +245,24 @@ class Runner:
     if pos + B > self.model.max_ctx: raise ValueError(f"{pos + B} tokens exceed the context of {self.model.max_ctx}")
     args = [self._tok(t, f"token{i}") for i, t in enumerate(tokens)] + [self._pos(pos + i, f"pos{i}") for i in range(B)]
     if self.model.slots > 1: args.append(self._slot(slot))
-    out = host_array(self._verify(B, not sampling)(*args, *sampling))
+    ids, logits = self._verify(B)(*args)
+    out = host_array(self.head(logits, "dist")(logits, *sampling) if sampling else ids)
     if slot == 0: del self.cached[pos:]; self.cached.extend(tokens)  # in place: a speculative round calls it
     return out[:, 0] if not sampling else out
 
-  def _verify(self, B: int, is_greedy: bool) -> Jit:
-    """The captured verify step of B rows: B token and position variables (and the slot variable with slots, shared by
-    every row) -> the greedy ids `[B, 1]`, or with the sampling parameters the distributions `[B, vocab]`."""
-    if (j := self._jits.get(name := f"verify-{B}-{'greedy' if is_greedy else 'dist'}")) is not None: return j
+  def _verify(self, B: int) -> Jit:
+    """The captured verify forward of B rows: B token and position variables (and the slot variable with slots, shared
+    by every row) -> (greedy ids, logits `[B, vocab]`)."""
+    if (j := self._jits.get(name := f"verify-{B}")) is not None: return j
     m = self.model
-    def step(*args):
-      slots, sargs = ((0,) * B, args[2 * B:]) if m.slots == 1 else ((args[2 * B],) * B, args[2 * B + 1:])
-      logits = m.forward(list(args[:B]), Rows(slots, tuple(args[B:2 * B])), last_only=True)[:, -1]  # [B, vocab]
-      return (greedy(logits) if is_greedy else distribution(logits, *sargs)).realize()
-    return self._step(name, step)
+    slots = lambda a: (0,) * B if m.slots == 1 else (a[2 * B],) * B
+    return self._forward(name, lambda *a: m.forward(list(a[:B]), Rows(slots(a), tuple(a[B:2 * B])), last_only=True)[:, -1])
 
   def next_distribution(self, token: int, pos: int, sampling: tuple) -> np.ndarray:
     """One token at `pos` through the per-token step -> the distribution `[vocab]` `sample` would draw the next token
     from under `sampling` (params.tensors()): a draft model's proposal (runtime/speculative.py)."""
-    if (j := self._jits.get("dist")) is None:
-      m, nw = self.model, len(self._where(0))
-      def step(tok, *args):
-        logits = m.forward(tok, self._start(*args[:nw]), last_only=True)[:, -1]
-        return distribution(logits, *args[nw:]).realize()
-      j = self._step("dist", step)
-    out = host_array(j(self._tok(token), *self._where(pos), *sampling))
+    _, logits = self._greedy_step()(self._tok(token), *self._where(pos))
+    out = host_array(self.head(logits, "dist")(logits, *sampling))
     self._wrote(token, pos)
     return out[0]
 
@@ -267,25 +270,20 @@ class Runner:
     """The multi-token-prediction block's draft step (a runner loaded with `mtp`): `token` at `pos`, whose position - 1
     the target (or the draft step before) has computed -> the draft of the token at pos + 2: its greedy id, or with
     `sampling` (params.tensors()) the distribution `[vocab]` to draw it from. The target's own rows are untouched."""
-    out = host_array(self._draft(token, pos, slot, sampling)[0])
-    return int(out.item()) if not sampling else out[0]
+    ids, logits = self._draft(token, pos, slot)
+    if not sampling: return int(host_array(ids).item())
+    return host_array(self.head(logits, "dist")(logits, *sampling))[0]
 
   def draft_logits(self, token: int, pos: int, slot: int = 0) -> np.ndarray:
     """The logits `[vocab]` the greedy draft step (`draft_next`) chose from."""
-    return host_array(self._draft(token, pos, slot, ())[1])[0]
+    return host_array(self._draft(token, pos, slot)[1])[0]
 
-  def _draft(self, token: int, pos: int, slot: int, sampling: tuple) -> tuple[Tensor, Tensor]:
-    """The captured draft step -> (its greedy id `[1, 1]` or distribution `[1, vocab]`, the logits `[1, vocab]`)."""
+  def _draft(self, token: int, pos: int, slot: int) -> tuple[Tensor, Tensor]:
+    """The captured draft step -> (its greedy id `[1, 1]`, the logits `[1, vocab]`)."""
     if getattr(self.model, "nextn", None) is None: raise ValueError("the runner was loaded without the multi-token-prediction block")
-    if (j := self._jits.get(name := f"mtp-{'dist' if sampling else 'greedy'}")) is None:
-      m, nw, is_greedy = self.model, len(self._where(0)), not sampling
-      def step(tok, *args):
-        logits = m.draft(tok, self._start(*args[:nw]))[:, -1]
-        out = greedy(logits) if is_greedy else distribution(logits, *args[nw:])
-        Tensor.realize(out, logits)
-        return out, logits
-      j = self._step(name, step)
-    return j(self._tok(token), *self._where(pos, slot), *sampling)
+    if (j := self._jits.get("mtp")) is None:
+      j = self._forward("mtp", lambda tok, *where: self.model.draft(tok, self._start(*where))[:, -1])
+    return j(self._tok(token), *self._where(pos, slot))
 
   def forget(self, n: int) -> None:
     """Slot 0's cache rows past the first n are stale (drafted tokens the target did not accept)."""
@@ -332,13 +330,11 @@ class Runner:
   # *** logits, for the CLI and tests
 
   def decode(self, token: int, pos: int) -> Tensor:
-    """Logits `[1, 1, vocab]` of one token at `pos` through the captured step; the symbolic position lets every position
-    replay the same kernels. The token goes in as a `[1, 1]` tensor (its embedding a one-hot gather), unlike the
-    generation steps' bound variable (a one-row slice): the two differ in float rounding only."""
-    step = self._step("decode", lambda t, *w: self.model.forward(t, self._start(*w)).realize())
-    out = step(Tensor([[token]], dtype=dtypes.int32), *self._where(pos))
+    """Logits `[1, 1, vocab]` of one token at `pos` through the per-token step generation runs (its symbolic position
+    lets every position replay the same kernels); a view of the step's output buffer, which its next call overwrites."""
+    _, logits = self._greedy_step()(self._tok(token), *self._where(pos))
     self._wrote(token, pos)
-    return out
+    return logits.reshape(1, 1, -1)
 
   def prefill(self, tokens: list[int], start_pos: int = 0, chunk: int = 64) -> Tensor:
     """Logits `[1, T, vocab]` of every position of `tokens` from `start_pos`, filling the caches: forwards of `chunk`
@@ -370,9 +366,9 @@ class Runner:
     return self._per_token(token, pos, params.greedy, sampling, logprobs)[0]
 
   def _per_token(self, token: int, pos: int, is_greedy: bool, sampling: tuple, k: int | None) -> tuple[Tensor, Tensor]:
-    out = self._next_step(is_greedy, k)(self._tok(token), *self._where(pos), *sampling)
+    ids, logits = self._greedy_step()(self._tok(token), *self._where(pos))
     self._wrote(token, pos)
-    return out
+    return self.choose(ids, logits, is_greedy, sampling, k), logits
 
   def engine_logits(self, tokens: list[int], prefill_tokens: int | None = None) -> np.ndarray:
     """Logits `[n - K + 1, vocab]` of positions K-1..n-1 (all n rows when K = 0) the way generation computes them: the
@@ -427,7 +423,7 @@ class Runner:
     if sizes: out = self.prefill_chunks(prompt[start_pos:n - fed], start_pos, sizes)
     if fed:  # the tail token by token; the last one's step gives the first new token
       for p in range(n - fed, n): tok = self.next_token(prompt[p], p, params, sampling, k)
-    else: tok = self.head_step(params.greedy, k)(out, *sampling)
+    else: tok = self.head(out, "greedy" if params.greedy else "sample", k)(out, *sampling)
     self.cached = list(prompt)
     return tok
 
@@ -467,8 +463,8 @@ class Runner:
       chunk = lambda C=C: self.prefill_chunks([0] * C, 0, [C], slot)
       steps += [(f"prefill-{C}", chunk)]
       if C == m.PREFILL_CHUNKS[0]:
-        steps += [("head-greedy", lambda chunk=chunk: self.head_step(True, None)(chunk())),
-                  ("head-sample", lambda chunk=chunk: self.head_step(False, None)(chunk(), *sampled()))]
+        steps += [("head-greedy", lambda chunk=chunk: (out := chunk(), self.head(out, "greedy")(out))),
+                  ("head-sample", lambda chunk=chunk: (out := chunk(), self.head(out, "sample")(out, *sampled())))]
     if m.slots == 1:
       return steps + [("decode-greedy", lambda: self._per_token(0, 0, True, (), None)),
                       ("decode-sample", lambda: self._per_token(0, 0, False, sampled(), None))]

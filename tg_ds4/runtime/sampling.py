@@ -1,8 +1,9 @@
 """Token sampling on the device: greedy, temperature, top-k, top-p, min-p, seeded — no vocabulary copy to the host.
 
 Filters follow llama.cpp's default chain order (top-k, top-p, min-p on the raw distribution, then temperature, then a
-draw). Thresholds come from bisection over the value range instead of a sort: a fixed number of small reductions, so
-the whole sampler is a constant graph that TinyJit captures with the parameters as input tensors."""
+draw). Thresholds come from a search over the value range instead of a sort: a fixed number of reductions, each testing
+many candidate thresholds at once (`_search`), so the whole sampler is a constant graph of a few kernels that TinyJit
+captures with the parameters as input tensors."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,7 +13,9 @@ from tinygrad import Device, Tensor, dtypes
 
 from tg_ds4.backend.buffers import host_tensor
 
-BISECT_STEPS = 24  # float32 thresholds to ~2^-24 of the value range: ties beyond that are kept together
+# thresholds to 2^-24 of the value range (ties closer than that are kept together): SEARCH_PASSES passes that each test
+# the 2^SEARCH_BITS - 1 points splitting the current range evenly, all in one reduction
+SEARCH_BITS, SEARCH_PASSES = 4, 6
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -41,12 +44,18 @@ def inputs(values, dtype, device: str | None = None) -> Tensor:
   sampled token, on top of the step itself."""
   return host_tensor(np.asarray(values, dtype), device or Device.DEFAULT)
 
-def _bisect(lo: Tensor, hi: Tensor, keep_upper) -> Tensor:
-  """Largest t in [lo, hi] with keep_upper(t) true (keep_upper monotone: true below a threshold, false above)."""
-  for _ in range(BISECT_STEPS):
-    mid = (lo + hi) / 2
-    ok = keep_upper(mid)
-    lo, hi = ok.where(mid, lo), ok.where(hi, mid)
+def _search(lo: Tensor, hi: Tensor, keep_upper) -> Tensor:
+  """The largest t of the grid lo + (hi - lo) * i / 2^(SEARCH_BITS * SEARCH_PASSES) with keep_upper(t) true, `lo`, `hi`
+  `[B, 1]` (keep_upper monotone: true below a threshold, false above; true at lo). keep_upper takes candidates `[B, M]`
+  and answers `[B, M]`: each pass is one reduction over the vocabulary for M candidates at once, where halving the
+  range would take SEARCH_BITS reductions one after another: a fixed sampler of a few kernels (a GPU pays a launch
+  each), for M compares per logit per pass."""
+  M = (1 << SEARCH_BITS) - 1
+  j = Tensor.arange(1, M + 1, dtype=dtypes.float32).reshape(1, M)
+  for _ in range(SEARCH_PASSES):
+    step = (hi - lo) * (1.0 / (M + 1))
+    n = keep_upper(lo + step * j).cast(dtypes.float32).sum(-1, keepdim=True)  # the candidates kept: a prefix, monotone
+    lo, hi = lo + step * n, lo + step * (n + 1)
   return lo
 
 def uniform(shape: tuple[int, ...], rng: Tensor) -> Tensor:
@@ -78,13 +87,14 @@ def _kept(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor
   lmax, lmin = logits.max(-1, keepdim=True), logits.min(-1, keepdim=True)
   # top-k: the k-th largest logit is the largest t with count(logits >= t) >= k (k = 0 keeps everything)
   k = top_k.reshape(-1, 1)
-  t_k = _bisect(lmin, lmax, lambda t: (logits >= t).sum(-1, keepdim=True) >= k)
+  t_k = _search(lmin, lmax, lambda t: (logits.unsqueeze(1) >= t.unsqueeze(-1)).sum(-1) >= k)
   keep = (k == 0) | (logits >= t_k)
   p = keep.where(logits - lmax, float("-inf")).exp()
   p = p / p.sum(-1, keepdim=True)
   # top-p: keep the most probable tokens until their mass reaches top_p (the token that crosses it included)
   pmax = p.max(-1, keepdim=True)
-  t_p = _bisect(Tensor.zeros_like(pmax), pmax, lambda t: (p >= t).where(p, 0.0).sum(-1, keepdim=True) >= top_p.reshape(-1, 1))
+  pu = p.unsqueeze(1)
+  t_p = _search(Tensor.zeros_like(pmax), pmax, lambda t: (pu >= t.unsqueeze(-1)).where(pu, 0.0).sum(-1) >= top_p.reshape(-1, 1))
   keep = keep & ((top_p.reshape(-1, 1) >= 1.0) | (p >= t_p))
   # min-p: drop tokens below min_p times the most probable one
   return keep & (p >= min_p.reshape(-1, 1) * pmax)

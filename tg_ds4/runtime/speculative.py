@@ -162,8 +162,8 @@ def warm_steps(target: Runner, drafter: Drafter, k: int) -> list[tuple[str, Call
   server to capture before its first request: the verify step of k + 1 rows (in the scratch slot, or slot 0 whose
   `cached` the caller resets) and a draft model's prefill chunks and per-token step (its rows forgotten after each)."""
   slot = target.model.slots - 1 if target.model.slots > 1 else 0
-  steps: list[tuple[str, Callable[[], object]]] = [(f"verify-{k + 1}-greedy", lambda: target.verify([0] * (k + 1), 0, slot))]
-  if isinstance(drafter, MTPDraft): steps.append(("mtp-greedy", lambda: drafter.runner.draft_next(0, 0, slot)))
+  steps: list[tuple[str, Callable[[], object]]] = [(f"verify-{k + 1}", lambda: target.verify([0] * (k + 1), 0, slot))]
+  if isinstance(drafter, MTPDraft): steps.append(("mtp", lambda: drafter.runner.draft_next(0, 0, slot)))
   if isinstance(drafter, DraftModel):
     r = drafter.runner
     steps += [(f"draft {name}", lambda run=run: (run(), r.forget(0))) for name, run in r.warm_steps()
