@@ -126,4 +126,4 @@ def test_mtp_block_is_ignored(tmp_path):
   w.add_tensor("blk.3.nextn.eh_proj.weight", np.zeros((256, 512), np.float32))
   w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
   m = Runner.load(path, max_ctx=64).model
-  assert m.cfg.n_layer == 3 and len(m.blk) == 3 and m.cfg.compress_ratios == (0, 4, 128)
+  assert m.cfg.n_layer == 3 and len(m.blk) == 3 and m.cfg.compress_ratios == (0, 4, 128, 0) and m.cfg.n_nextn == 1 and m.nextn is None

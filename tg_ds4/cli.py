@@ -95,13 +95,14 @@ def _load(args):
   own multi-token-prediction block."""
   from tg_ds4.models.families import default_context
   from tg_ds4.runtime.runner import Runner
-  from tg_ds4.runtime.speculative import DraftModel, MTPDraft
+  from tg_ds4.runtime.speculative import DraftModel, MTPDraft, mtp_source
   from tg_ds4.text.tokenizer import Tokenizer
   gf = _open(args)
   dgf = _draft_file(args, gf)
-  mtp = bool(getattr(args, "speculative", 0)) and dgf is None
+  spec = bool(getattr(args, "speculative", 0))
+  mtp = spec and mtp_source(dgf)
   runner = Runner.load(gf, max_ctx=args.max_context or default_context(gf), numerics=args.numerics, mtp=mtp)
-  drafter = MTPDraft(runner) if mtp else None if dgf is None else DraftModel(Runner.load(dgf, max_ctx=runner.model.max_ctx, numerics=args.numerics))
+  drafter = None if not spec else MTPDraft(runner) if mtp else DraftModel(Runner.load(dgf, max_ctx=runner.model.max_ctx, numerics=args.numerics))
   return gf, runner, Tokenizer.from_gguf(gf), drafter
 
 def _sampling(args):
@@ -112,9 +113,10 @@ def _sampling(args):
 MAX_SPECULATIVE = 16  # drafts checked per step: a verify step holds k + 1 rows
 
 def _draft_file(args, gf):
-  """--speculative K's draft model, opened (None without --speculative, or without --draft on a file whose own
-  multi-token-prediction layers draft), checked before any model loads: a file with nothing to draft with, or a draft
-  of another vocabulary, is a usage error."""
+  """--speculative K's draft, opened (None without --speculative, or without --draft on a file whose own
+  multi-token-prediction layers draft): a draft model, or a file holding only a multi-token-prediction block for this
+  target. Checked before any model loads: a file with nothing to draft with, a draft of another vocabulary, or a block
+  that does not fit, is a usage error."""
   if not getattr(args, "speculative", 0): return None
   if not 1 <= args.speculative <= MAX_SPECULATIVE: raise UsageError(f"--speculative must be in [1, {MAX_SPECULATIVE}], got {args.speculative}")
   if args.draft is None:
@@ -127,6 +129,9 @@ def _draft_file(args, gf):
   dgf = open_model(resolve(args.draft), getattr(args, "quantize", None))
   if (why := vocab_mismatch(gf.metadata, dgf.metadata)) is not None:
     raise UsageError(f"--draft {args.draft} cannot draft for {args.model}: its vocabulary differs ({why})")
+  from tg_ds4.models.families import is_mtp_file, mtp_unavailable
+  if is_mtp_file(dgf) and (why := mtp_unavailable(gf, dgf)) is not None:
+    raise UsageError(f"--draft {args.draft} cannot draft for {args.model}: {why}")
   return dgf
 
 def _stream(runner, tok, ids, args, sp, out=sys.stdout, drafter=None) -> list[int]:

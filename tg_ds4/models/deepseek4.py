@@ -33,7 +33,7 @@ nn/cache_rows.py), a batched step's rows each in their own:
     shapes depend only on the chunk length; the rows read are `[0, start_pos // ratio + candidates)`, a symbolic length;
   * the indexer top-k is a threshold search (see `topk_mask`), linear in the number of rows.
 The slack also makes re-running from up to PREFILL_CHUNK positions back exact (padded prefill chunks rely on it).
-MTP tensors (`nextn_predict_layers`) are ignored."""
+The multi-token-prediction block (`nextn_predict_layers`) is loaded only for drafting (DS4NextN)."""
 from __future__ import annotations
 
 import functools, math
@@ -46,6 +46,7 @@ from tinygrad import Tensor, UOp, dtypes
 from tg_ds4.backend.compat import DType, function
 from tg_ds4.config import BaseConfig, Gating, Meta, MoEConfig, RopeConfig, RopeType
 from tg_ds4.io.gguf import GGUFError, GGUFFile
+from tg_ds4.models.nextn import NextNParams
 from tg_ds4.nn import attention_kernel
 from tg_ds4.nn.cache_rows import Rows
 from tg_ds4.nn.layers import Embedding, Linear, Param, Params, RMSNorm, load_weights, matmul, matmul_input
@@ -66,26 +67,29 @@ class DS4Config(BaseConfig):
   o_groups: int
   o_lora_rank: int
   window: int                       # raw rows each query sees, itself included
-  compress_ratios: tuple[int, ...]  # per layer: 0, 4 (overlapping windows + indexer) or 128
+  compress_ratios: tuple[int, ...]  # per block (the layers, then any multi-token-prediction block): 0, 4 (overlapping
+                                    # windows + indexer) or 128
   hc: int                           # hyper-connection streams
   hc_iters: int                     # Sinkhorn iterations
   hc_eps: float
   n_hash_layer: int                 # the first layers route by `ffn_gate_tid2eid[token]`
-  swiglu_clamp: tuple[float, ...]   # per layer, routed experts
+  swiglu_clamp: tuple[float, ...]   # per block, routed experts
   swiglu_clamp_shexp: tuple[float, ...]
-  expert_bias: tuple[bool, ...] = ()  # per layer: the router's selection bias `exp_probs_b` (told by the file's tensors)
+  expert_bias: tuple[bool, ...] = ()  # per block: the router's selection bias `exp_probs_b` (told by the file's tensors)
+  n_nextn: int = 0                    # multi-token-prediction blocks after the n_layer the forward runs (DS4NextN)
 
   @staticmethod
   def from_gguf(gf: GGUFFile) -> DS4Config:
     m = Meta(gf, "deepseek4")
     key = lambda name, default=None: m.need(name) if default is None else m.get(name, default)
-    n_layer = m.n_layer()
-    per_layer = lambda v: tuple(float(x) for x in v[:n_layer]) if isinstance(v, list) else (float(v),) * n_layer
+    n_layer, n_nextn = m.n_layer(), int(key("nextn_predict_layers", 0) or 0)
+    n_all = n_layer + n_nextn
+    per_layer = lambda v: tuple(float(x) for x in v[:n_all]) if isinstance(v, list) else (float(v),) * n_all
     head_dim, rope_dim = int(key("attention.key_length")), int(key("rope.dimension_count"))
     if int(key("attention.value_length", head_dim)) != head_dim: raise GGUFError(f"{gf.path}: deepseek4 needs value_length == key_length")
     ratios = tuple(int(r) for r in key("attention.compress_ratios"))
-    if len(ratios) < n_layer or any(r not in (0, 4, 128) for r in ratios[:n_layer]):
-      raise GGUFError(f"{gf.path}: deepseek4.attention.compress_ratios {list(ratios)} must give 0, 4 or 128 for each of {n_layer} layers")
+    if len(ratios) < n_all or any(r not in (0, 4, 128) for r in ratios[:n_all]):
+      raise GGUFError(f"{gf.path}: deepseek4.attention.compress_ratios {list(ratios)} must give 0, 4 or 128 for each of {n_all} blocks")
     if (g := int(key("expert_gating_func", Gating.SQRT_SOFTPLUS))) != Gating.SQRT_SOFTPLUS:
       raise GGUFError(f"{gf.path}: deepseek4 expects sqrt-softplus expert gating, got gating function {g}")
     if (moe := MoEConfig.from_meta(m, Gating.SQRT_SOFTPLUS)) is None: raise GGUFError(f"{gf.path}: missing metadata key deepseek4.expert_count")
@@ -103,13 +107,13 @@ class DS4Config(BaseConfig):
       norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)), ctx_len=int(key("context_length", 4096)),
       rope=RopeConfig(rope_dim, float(key("rope.freq_base", 10000.0)), RopeType.NORM), rope_comp=rope_comp,
       q_lora_rank=int(key("attention.q_lora_rank")), o_groups=int(key("attention.output_group_count")),
-      o_lora_rank=int(key("attention.output_lora_rank")), window=int(key("attention.sliding_window")), compress_ratios=ratios[:n_layer],
+      o_lora_rank=int(key("attention.output_lora_rank")), window=int(key("attention.sliding_window")), compress_ratios=ratios[:n_all],
       idx_n_head=int(key("attention.indexer.head_count", 0)), idx_head_dim=int(key("attention.indexer.key_length", 0)),
       idx_top_k=int(key("attention.indexer.top_k", 0)), hc=int(key("hyper_connection.count")),
       hc_iters=int(key("hyper_connection.sinkhorn_iterations")), hc_eps=float(key("hyper_connection.epsilon")),
       moe=moe, n_hash_layer=int(key("hash_layer_count", 0)),
       swiglu_clamp=clamp, swiglu_clamp_shexp=per_layer(m.get("swiglu_clamp_shexp")) if m.get("swiglu_clamp_shexp") else clamp,
-      expert_bias=tuple(f"blk.{i}.exp_probs_b.bias" in gf for i in range(n_layer)))
+      expert_bias=tuple(f"blk.{i}.exp_probs_b.bias" in gf for i in range(n_all)), n_nextn=n_nextn)
 
 @dataclass
 class Tables:
@@ -131,20 +135,35 @@ def rope_tail(x: Tensor, table: Tensor, start_pos: int | UOp | Rows) -> Tensor:
 
 def ring_write(ring: Tensor, new: Tensor, rows: Rows) -> Tensor:
   """Store row b of `new` `[B, T, F]` (positions pos_b..) into the ring of cache slot slot_b of `ring` `[slots, S, F]`
-  (position p in ring slot p % S); return all the rings, ordered after the stores. A token is a one-slot store; a
-  chunk (one row) rewrites its whole ring, each ring slot taking its new row if the chunk covers it (a static shape
-  whatever the wrap point)."""
+  (position p in ring slot p % S); return all the rings, ordered after the stores (`ring_stores`)."""
+  return Tensor(ring.uop.after(*ring_stores(ring, new, rows)))
+
+def ring_stores(ring: Tensor, new: Tensor, rows: Rows) -> list[UOp]:
+  """The stores of `ring_write`. A token is a one-slot store; a chunk (one row) rewrites its whole ring, each ring slot
+  taking its new row if the chunk covers it (a static shape whatever the wrap point)."""
   S, T = ring.shape[1], new.shape[1]
   if T == 1:
     one = lambda b: (new if len(rows) == 1 else new[b:b + 1]).cast(ring.dtype)
-    return Tensor(ring.uop.after(*[ring[s:s + 1, p % S:p % S + 1].uop.store(one(b).uop) for b, (s, p) in enumerate(rows)]))
+    return [ring[s:s + 1, p % S:p % S + 1].uop.store(one(b).uop) for b, (s, p) in enumerate(rows)]
   assert T <= S and len(rows) == 1, f"a chunk of {T} rows into a ring of {S} is one sequence's"
   (slot, start_pos), = rows
-  j = (Tensor.arange(S) + (S - start_pos % S)) % S                               # the chunk row each slot would take
+  j = _ring_rows(S, start_pos)
   hit = j.reshape(S, 1) == Tensor.arange(T).reshape(1, T)                         # [S, T]
   taken = hit.unsqueeze(-1).where(new[0].unsqueeze(0), 0.0).sum(1)                # [S, F]
   full = (j < T).reshape(1, S, 1).where(taken.unsqueeze(0), ring[slot:slot + 1]).cast(ring.dtype)
-  return Tensor(ring.uop.after(ring[slot:slot + 1, 0:S].uop.store(full.uop)))
+  return [ring[slot:slot + 1, 0:S].uop.store(full.uop)]
+
+def _ring_rows(S: int, start_pos: int | UOp) -> Tensor:
+  """`[S]`: the row of a chunk starting at start_pos that each of a ring's S slots takes (>= the chunk's length: none)."""
+  return (Tensor.arange(S) + (S - start_pos % S)) % S
+
+def ring_read(ring: Tensor, slot: int | UOp, start_pos: int | UOp, T: int) -> Tensor:
+  """Positions start_pos..start_pos + T - 1 of slot `slot`'s ring `[slots, S, F]` -> `[1, T, F]` (the ring order
+  undone: a one-slot slice for a token, a one-hot selection for a chunk)."""
+  S = ring.shape[1]
+  if T == 1: return ring[slot:slot + 1, start_pos % S:start_pos % S + 1]
+  hit = (Tensor.arange(T).reshape(T, 1) == _ring_rows(S, start_pos).reshape(1, S)).unsqueeze(-1)  # [T, S, 1]
+  return hit.where(ring[slot:slot + 1, 0:S][0].unsqueeze(0), 0.0).sum(1).unsqueeze(0)
 
 def ring_positions(S: int, last: int | UOp) -> Tensor:
   """Position held by each of the S slots of a ring whose last write was position `last` (negative: never written)."""
@@ -369,6 +388,15 @@ class DS4Attention:
     return Tensor.stack(*[attention_kernel.attention_sinks(q[b], ring, comp, chosen, as_tensor(self.attn_sinks.weight), s, p, keys,
                                                            cfg.head_dim ** -0.5, unit, first[b]) for b, (s, p) in enumerate(rows)])
 
+  def raw_rows(self, x: Tensor, rows: Rows, tabs: Tables) -> Tensor:
+    """The raw ring's new rows for x `[B, T, dim]`: `[B, T, D + POS_COLS]`, the K/V row (normed, RoPE on its tail) and
+    its position columns."""
+    (B, T, _), table = x.shape, tabs.comp if self.ratio else tabs.main
+    kv = rope_tail(self.attn_kv_a_norm(self.attn_kv(x)), table, rows)                         # [B, T, D]: K and V
+    qpos = [(Tensor.arange(T) + p).reshape(T, 1) for p in rows.pos]
+    cols = [(qp % POS_BASE).cat(qp // POS_BASE, dim=-1).float().reshape(1, T, 2) for qp in qpos]
+    return kv.cat((cols[0] if B == 1 else Tensor.cat(*cols)).pad((None, None, (0, POS_COLS - 2))), dim=-1)
+
   def __call__(self, x: Tensor, start_pos: int | UOp | Rows, tabs: Tables) -> Tensor:
     """x `[B, T, dim]`, row b at position pos_b in cache slot slot_b (nn/cache_rows.py's Rows; an int or variable: one
     sequence in slot 0): the projections and the output LoRA see every row at once, the caches and the attention are
@@ -378,11 +406,8 @@ class DS4Attention:
     table, inv = (tabs.comp, tabs.comp_inv) if R else (tabs.main, tabs.main_inv)
     qr = matmul_input(self.attn_q_a_norm(self.attn_q_a(x)))
     q = rope_tail(rms0(self.attn_q_b(qr).reshape(B, T, H, D), cfg.norm_eps), table, rows)
-    kv = rope_tail(self.attn_kv_a_norm(self.attn_kv(x)), table, rows)                         # [B, T, D]: K and V
     qpos = [(Tensor.arange(T) + p).reshape(T, 1) for p in rows.pos]
-    cols = [(qp % POS_BASE).cat(qp // POS_BASE, dim=-1).float().reshape(1, T, 2) for qp in qpos]
-    pos = (cols[0] if B == 1 else Tensor.cat(*cols)).pad((None, None, (0, POS_COLS - 2)))
-    ring = ring_write(self.raw, kv.cat(pos, dim=-1), rows)                                     # [slots, S, D + POS_COLS]
+    ring = ring_write(self.raw, self.raw_rows(x, rows, tabs), rows)                            # [slots, S, D + POS_COLS]
     comp = self.compressor.store(x, rows, tabs.comp) if R else None                            # [slots, max_rows, D]
     # per row: its compressed rows [0, n) and which of them its queries may see (complete windows only)
     n = [p // R + self.compressor.n_cand(T) for p in rows.pos] if R else []
@@ -465,6 +490,91 @@ class DS4Block:
     h, post, comb = self.hc_ffn(x)
     return hc_post(done(self.ffn(matmul_input(self.ffn_norm(h)), tokens)), x, post, comb).contiguous()  # one barrier per block, as model.Block
 
+class NextNRoot:
+  """The root tensors of a multi-token-prediction block's file that the block reads, as llama.cpp's graph_mtp reads
+  them: the hyper head (`output_hc_*`; a draft file written by convert_hf_to_gguf.py --mtp holds the block's own there),
+  and the embedding, head norm and head where the block has no `nextn.*` copy of its own."""
+  def __init__(self, cfg: DS4Config):
+    self.token_embd, self.output_norm = Embedding(cfg.n_vocab, cfg.dim), RMSNorm(cfg.dim, cfg.norm_eps)
+    self.output_hc, self.output = HyperConn(cfg, "output_hc", head=True), Linear(cfg.dim, cfg.n_vocab)
+
+class DS4NextN:
+  """DeepSeek V4's multi-token-prediction block (`blk.{n_layer}`, llama.cpp's deepseek4 graph_mtp): models/nextn.py's
+  semantics with V4's residual. h is the target's hyper-connection streams after its last layer (the hyper head's
+  input, `[hc, D]` per position); the block's input streams are `eh_proj([enorm(embed(token)) ; hnorm(h_s)])` for each
+  stream s (the token's half the same in every stream), it runs as a ratio-0 (sliding-window) block with routed experts,
+  and its output streams go through the file's hyper head, the head norm and the head. Its own h' is those output streams.
+  The hidden states sit in a ring like the raw rows' (position p in slot p % S, S = 2 * PREFILL_CHUNK: a step reads
+  position start - 1 and writes at most PREFILL_CHUNK rows from start), the block's raw ring is the ordinary one."""
+  def __init__(self, cfg: DS4Config):
+    """`cfg`: the config of the file that holds the block (a target's own, or a draft file's)."""
+    self.cfg, i = cfg, cfg.n_layer
+    self.block = DS4Block(cfg, i)
+    self.block.nextn = NextNParams(cfg)
+    self.root = NextNRoot(cfg)
+
+  def load(self, gf: GGUFFile, device: str, max_ctx: int, dtype: DType, slots: int) -> None:
+    load_weights(self.block, gf, device, prefix=f"blk.{self.cfg.n_layer}.")
+    load_weights(self.root, gf, device)
+    C = DS4Transformer.PREFILL_CHUNK
+    self.block.attn.init_cache(max_ctx, C, device, dtype, slots)
+    self.hidden = Tensor.zeros(slots, 2 * C, self.cfg.hc * self.cfg.dim, device=device).contiguous().realize()
+
+  def _prev(self, slot: int | UOp, p: int | UOp) -> Tensor:
+    """h at position p - 1 of `slot` `[1, 1, hc * D]`: zeros at p = 0."""
+    S = self.hidden.shape[1]
+    h = self.hidden[slot:slot + 1, (p + S - 1) % S:(p + S - 1) % S + 1]
+    return ((Tensor.arange(1) + p) > 0).reshape(1, 1, 1).where(h, 0.0)
+
+  def _input(self, tokens, h_prev: Tensor) -> Tensor:
+    """The block's input streams `[B, T, hc, D]` from the tokens and h at the position before each `[B, T, hc * D]`."""
+    p, c, (B, T, _) = self.block.nextn, self.cfg, h_prev.shape
+    e = p.enorm(p.embed_tokens(tokens) if p.embed_tokens.weight is not None else self.root.token_embd(tokens))
+    e = e.reshape(B, T, 1, c.dim).expand(B, T, c.hc, c.dim)
+    x = e.cat(p.hnorm(h_prev.reshape(B, T, c.hc, c.dim)), dim=-1).reshape(B * T * c.hc, 1, 2 * c.dim)  # one GEMV row per stream
+    return p.eh_proj(matmul_input(x)).reshape(B, T, c.hc, c.dim)
+
+  def follow(self, tokens, x: Tensor, start_pos: int | UOp | Rows, tabs: Tables) -> Tensor:
+    """A target step's part: store its rows' streams `x` `[B, T, hc, D]` as hidden states and the block's raw rows for
+    them (the block's input, its attention site's collapse and K/V only: no attention, no experts, no head); returns `x`
+    read back after both stores, so that they are part of whatever reads the logits."""
+    rows, (B, T, hc, D) = Rows.of(start_pos), x.shape
+    flat = x.reshape(B, T, hc * D)
+    prev = []
+    for b, (s, p) in enumerate(rows):  # h of each row's position - 1: this step's previous row, or the stored one
+      first = flat[b - 1:b, -1:] if rows.continues(b) else self._prev(s, p)
+      prev.append(first if T == 1 else first.cat(flat[b:b + 1, :-1], dim=1))
+    blk = self.block
+    h, _, _ = blk.hc_attn(self._input(tokens, prev[0] if B == 1 else Tensor.cat(*prev)))
+    new = blk.attn.raw_rows(matmul_input(blk.attn_norm(h)), rows, tabs)
+    after = Tensor(self.hidden.uop.after(*ring_stores(self.hidden, flat, rows), *ring_stores(blk.attn.raw, new, rows)))
+    back = [ring_read(after, s, p, T) for s, p in rows]
+    return (back[0] if B == 1 else Tensor.cat(*back)).reshape(B, T, hc, D)
+
+  def draft(self, token: UOp, start_pos: UOp | Rows, tabs: Tables) -> Tensor:
+    """One draft step: the token at position p (a bound variable) -> logits `[1, 1, vocab]` of the token at p + 2, with
+    the block's raw row and hidden state of p stored."""
+    rows = Rows.of(start_pos)
+    (s, p), = rows
+    x = self.block(self._input(token, self._prev(s, p)), token, start_pos, tabs)
+    after = Tensor(self.hidden.uop.after(*ring_stores(self.hidden, x.reshape(1, 1, -1), rows)))
+    x = ring_read(after, s, p, 1).reshape(x.shape)
+    pn, root = self.block.nextn, self.root
+    h = (pn.shared_head_norm if pn.shared_head_norm.weight is not None else root.output_norm)(root.output_hc.head(x))
+    return (pn.shared_head_head if pn.shared_head_head.weight is not None else root.output)(matmul_input(h))
+
+  def cache_tensors(self, one: Callable[[Tensor], Tensor]) -> list[tuple[str, Tensor, int, Callable[[int], int]]]:
+    whole = lambda t: lambda n, k=t.shape[1]: k
+    a = self.block.attn
+    return [(f"blk.{self.cfg.n_layer}.attn.raw", one(a.raw), 1, whole(a.raw)), ("nextn.hidden", one(self.hidden), 1, whole(self.hidden))]
+
+def nextn_unsupported(cfg: DS4Config) -> str | None:
+  """Why the block of a deepseek4 file with `cfg` cannot draft here (llama.cpp's graph_mtp takes the same), or None."""
+  if cfg.n_nextn != 1: return f"{cfg.n_nextn} multi-token-prediction blocks (one is supported)"
+  if cfg.compress_ratios[cfg.n_layer] != 0: return "the multi-token-prediction block has compressed attention (ratio 0 expected)"
+  if cfg.n_layer < cfg.n_hash_layer: return "the multi-token-prediction block routes by hash"
+  return None
+
 class DS4Transformer:
   """The deepseek4 model (arch.Model). Unlike model.Transformer's row-per-position caches, the rings only let a new run
   start at position 0 or up to `max_rewind` positions before the last one written (see `check_resume`), and one forward
@@ -475,6 +585,7 @@ class DS4Transformer:
   MAX_FORWARD_TOKENS: int | None = PREFILL_CHUNK
   max_rewind: int | None = PREFILL_CHUNK
   slots = 1            # sequences whose caches sit side by side (nn/cache_rows.py)
+  nextn: DS4NextN | None = None  # the multi-token-prediction block, loaded for drafting
 
   def __init__(self, cfg: DS4Config):
     self.cfg = cfg
@@ -485,7 +596,10 @@ class DS4Transformer:
     self.output = Linear(cfg.dim, cfg.n_vocab)
 
   @classmethod
-  def load(cls, cfg: DS4Config, gf: GGUFFile, device: str, max_ctx: int, numerics: str, slots: int = 1) -> DS4Transformer:
+  def load(cls, cfg: DS4Config, gf: GGUFFile, device: str, max_ctx: int, numerics: str, slots: int = 1,
+           mtp: bool | GGUFFile = False) -> DS4Transformer:
+    """Weights, rope tables and caches (`slots` sequences side by side). `mtp`: also the multi-token-prediction block
+    (DS4NextN), which every step then follows: this file's (True) or a draft file's (convert_hf_to_gguf.py --mtp)."""
     model = cls(cfg)
     load_weights(model, gf, device)
     model.max_ctx, model.settings = max_ctx, settings.Settings.for_model(device, numerics)
@@ -495,8 +609,22 @@ class DS4Transformer:
     conj = Tensor([1.0, -1.0], device=device)
     model.tabs = Tables(main, comp, (main * conj).realize(), (comp * conj).realize())
     for b in model.blk: b.attn.init_cache(max_ctx, C, device, model.settings.cache, slots)
+    if mtp:  # families.mtp_unavailable has checked that the block's file has one this class runs
+      bf = gf if mtp is True else mtp
+      model.nextn = DS4NextN(cfg if bf is gf else cls.draft_config(cfg, bf))
+      model.nextn.load(bf, device, max_ctx, model.settings.cache, slots)
     model.slots = slots
     return model
+
+  @staticmethod
+  def draft_config(cfg: DS4Config, gf: GGUFFile) -> DS4Config:
+    """The config of a draft file holding a multi-token-prediction block for a target with `cfg`, checked against it."""
+    d = DS4Config.from_gguf(gf)
+    for f in ("n_layer", "dim", "n_vocab", "n_head", "head_dim", "hc", "window", "rope", "q_lora_rank", "o_groups", "o_lora_rank"):
+      if getattr(d, f) != getattr(cfg, f):
+        raise GGUFError(f"{gf.path}: its multi-token-prediction block does not fit the target ({f} {getattr(d, f)}, "
+                        f"the target's {getattr(cfg, f)})")
+    return d
 
   def forward(self, tokens: Tensor | UOp | list[UOp], start_pos: int | UOp | Rows, last_only: bool = False,
               select: Tensor | None = None) -> Tensor:
@@ -510,11 +638,16 @@ class DS4Transformer:
       assert T <= self.PREFILL_CHUNK, f"{T} tokens in one forward, at most {self.PREFILL_CHUNK}"
       x = e.unsqueeze(2).expand(B, T, self.cfg.hc, D)                              # every stream starts as the embedding
       for b in self.blk: x = b(x, tokens, start_pos, self.tabs)
+      if self.nextn is not None: x = self.nextn.follow(tokens, x, start_pos, self.tabs)
       if last_only: x = x[:, -1:]
       if select is not None: x = (x * select.unsqueeze(-1)).sum(1, keepdim=True)
       return self.head(x)
 
   def head(self, x: Tensor) -> Tensor: return self.output(matmul_input(self.output_norm(self.output_hc.head(x))))  # the streams collapsed first
+
+  def draft(self, token: UOp, start_pos: UOp | Rows) -> Tensor:
+    """The multi-token-prediction block's draft step (DS4NextN): logits `[1, 1, vocab]`."""
+    with self.settings.active(): return self.nextn.draft(token, start_pos, self.tabs)
 
   def check_resume(self, start_pos: int) -> None:
     """Raise unless the caches hold what a run from `start_pos` needs: position 0, or the raw rows of the `window`
@@ -545,4 +678,4 @@ class DS4Transformer:
         if c is None: continue
         out += [(f"blk.{i}.{c.name}.state", one(c.state), 1, whole(c.state)),
                 (f"blk.{i}.{c.name}.rows", one(c.rows), 1, lambda n, R=c.R: n // R)]
-    return out
+    return out + (self.nextn.cache_tensors(one) if self.nextn is not None else [])

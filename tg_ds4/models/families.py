@@ -14,7 +14,7 @@ from tinygrad import Tensor, UOp
 from tg_ds4.config import ModelConfig
 from tg_ds4.io.gguf import GGUFError, GGUFFile
 from tg_ds4.models import nextn
-from tg_ds4.models.deepseek4 import DS4Config, DS4Transformer
+from tg_ds4.models.deepseek4 import DS4Config, DS4Transformer, nextn_unsupported
 from tg_ds4.models.transformer import Transformer
 from tg_ds4.quant import settings
 
@@ -62,28 +62,41 @@ def config_of(gf: GGUFFile) -> Any:
     raise GGUFError(f"{gf.path}: architecture {gf.arch!r} is not supported (supported: {', '.join(ARCHS)})")
   return a.config.from_gguf(gf)
 
-def mtp_unavailable(gf: GGUFFile) -> str | None:
-  """Why `gf`'s multi-token-prediction layers cannot draft (models/nextn.py), or None when they can."""
+def mtp_unavailable(gf: GGUFFile, draft: GGUFFile | None = None) -> str | None:
+  """Why the multi-token-prediction block of `gf` (or of `draft`, a file holding only the block, for the target `gf`)
+  cannot draft, or None when it can (models/nextn.py, models/deepseek4.py's DS4NextN)."""
   cfg = config_of(gf)
+  if draft is not None:
+    if gf.arch != "deepseek4" or draft.arch != "deepseek4":
+      return "a separate multi-token-prediction file drafts for deepseek4 targets (deepseek2 files carry their block themselves)"
+    cfg = DS4Transformer.draft_config(cfg, draft)
   if not getattr(cfg, "n_nextn", 0): return "it has no multi-token-prediction layers"
+  if isinstance(cfg, DS4Config):
+    if draft is None and f"blk.{cfg.n_layer}.nextn.eh_proj.weight" not in gf:
+      return "it has no multi-token-prediction block (convert_hf_to_gguf.py --mtp writes it as a file of its own: pass it as --draft)"
+    return nextn_unsupported(cfg)
   if ARCHS[gf.arch].model is not Transformer: return f"drafting with {gf.arch}'s multi-token-prediction layers is not supported"
   return nextn.supported(cfg)
+
+def is_mtp_file(gf: GGUFFile) -> bool:
+  """`gf` holds a multi-token-prediction block and none of the layers before it (convert_hf_to_gguf.py --mtp's draft)."""
+  return bool(gf.get(f"{gf.arch}.nextn_predict_layers", 0)) and "blk.0.attn_norm.weight" not in gf
 
 DEFAULT_CONTEXT = 4096  # the CLI's and the server's context when none is given, or the model's when that is smaller
 
 def default_context(gf: GGUFFile) -> int: return min(DEFAULT_CONTEXT, config_of(gf).ctx_len)
 
 def load_model(gf: GGUFFile, device: str, max_ctx: int | None = None, numerics: str = settings.DEFAULT_NUMERICS, slots: int = 1,
-               mtp: bool = False) -> Model:
+               mtp: bool | GGUFFile = False) -> Model:
   """The model of `gf`: config, weights (packed, mmapped), caches for `max_ctx` positions (default: the file's context).
   A context past the trained one is allowed, as llama.cpp allows it, with one warning: the math is defined there (RoPE
   of any position), only the model's quality is not. `numerics`: how quantized matmuls treat their inputs
-  (quant/activations.py: "auto", "exact" or "llama.cpp"). `mtp`: with the multi-token-prediction block, for drafting
-  (models/nextn.py; deepseek2 files)."""
+  (quant/activations.py: "auto", "exact" or "llama.cpp"). `mtp`: with the multi-token-prediction block, for drafting:
+  the file's own (True) or a file holding only the block (`is_mtp_file`; deepseek4 targets)."""
   cfg = config_of(gf)
   if (max_ctx := max_ctx or cfg.ctx_len) > cfg.ctx_len and getattr(cfg, "pos_embd", False):
     raise GGUFError(f"{gf.path}: learned positions (position_embd) for {cfg.ctx_len} tokens, a context of {max_ctx} was asked for")
   if max_ctx > cfg.ctx_len:
     logging.getLogger("tg_ds4").warning("%s: a context of %d positions exceeds the %d the model was trained for", gf.path.name, max_ctx, cfg.ctx_len)
-  if mtp and (why := mtp_unavailable(gf)) is not None: raise GGUFError(f"{gf.path}: {why}")
-  return ARCHS[gf.arch].model.load(cfg, gf, device, max_ctx, settings.check(numerics), slots, **({"mtp": True} if mtp else {}))
+  if mtp and (why := mtp_unavailable(gf, None if mtp is True else mtp)) is not None: raise GGUFError(f"{gf.path if mtp is True else mtp.path}: {why}")
+  return ARCHS[gf.arch].model.load(cfg, gf, device, max_ctx, settings.check(numerics), slots, **({"mtp": mtp} if mtp else {}))

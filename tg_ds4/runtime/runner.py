@@ -137,13 +137,14 @@ class Runner:
 
   @staticmethod
   def load(path: str | pathlib.Path | GGUFFile, max_ctx: int | None = None, device: str | None = None,
-           numerics: str = settings.DEFAULT_NUMERICS, parallel: int = 1, mtp: bool = False) -> Runner:
+           numerics: str = settings.DEFAULT_NUMERICS, parallel: int = 1, mtp: bool | GGUFFile = False) -> Runner:
     """Load a model for `max_ctx` positions (default: the file's context). `numerics` (quant/activations.py): "auto"
     takes llama.cpp's rounding and integer dot products where the device runs them natively and exact float math
     elsewhere, "exact" float math everywhere, "llama.cpp" its rounding of every quantized matmul's input (for
     token-exact comparisons with llama.cpp). `parallel` > 1 keeps that many sequences' caches side by side (plus a
-    scratch slot) for the batched steps (runtime/batcher.py's Batcher). `mtp`: load the file's multi-token-prediction
-    block for drafting (`draft_next`; every step then also fills its cache, models/nextn.py)."""
+    scratch slot) for the batched steps (runtime/batcher.py's Batcher). `mtp`: load a multi-token-prediction block for
+    drafting (`draft_next`; every step then also fills its cache, models/nextn.py): the file's own (True) or that of a
+    file holding only the block (families.is_mtp_file)."""
     if not 1 <= parallel <= BATCHES[-1]: raise ValueError(f"parallel must be in [1, {BATCHES[-1]}], got {parallel}")
     gf = path if hasattr(path, "infos") else open_model(path)  # a GGUFFile or io/hf_folder.py's Checkpoint, or a path to either
     device = device or Device.DEFAULT
@@ -155,7 +156,7 @@ class Runner:
       model = load_model(gf, device, max_ctx, numerics, parallel + 1 if parallel > 1 else 1, mtp)
     compat.release_freed_buffers(device)
     settings = dict(max_ctx=model.max_ctx, numerics=activations.effective(numerics, device)) | ({"slots": model.slots} if model.slots > 1 else {}) | \
-      ({"mtp": True} if mtp else {})
+      ({"mtp": True if mtp is True else stepcache.file_identity(mtp)} if mtp else {})
     return Runner(model, stepcache.for_model(model, gf, device, **settings), device)
 
   # *** the captured steps

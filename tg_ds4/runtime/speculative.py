@@ -29,6 +29,7 @@ from typing import Protocol
 import numpy as np
 
 from tg_ds4.backend.buffers import host_array
+from tg_ds4.models.families import is_mtp_file
 from tg_ds4.runtime.runner import FEED_TOKENS, GREEDY, Runner, reusable_prefix
 from tg_ds4.runtime.sampling import SamplingParams, rng
 
@@ -93,6 +94,13 @@ class MTPDraft:
       else: tok = self.runner.draft_next(tok, pos + i, slot)
       drafts.append(tok)
     return drafts, np.stack(qs) if sampling else None
+
+def mtp_source(draft) -> bool | object:
+  """Runner.load's `mtp` for speculation drafted by the GGUF `draft` (None: the target's own multi-token-prediction
+  block): True, the draft itself when it holds only a block (convert_hf_to_gguf.py --mtp's file), else False (a draft
+  model, DraftModel)."""
+  if draft is None: return True
+  return draft if is_mtp_file(draft) else False
 
 def draw(p: np.ndarray, gen: np.random.Generator) -> int:
   """One token from the (possibly unnormalised) distribution `p` `[vocab]`; never one of probability 0."""

@@ -19,7 +19,7 @@ from tg_ds4.io.registry import registry, resolve
 from tg_ds4.models.families import default_context
 from tg_ds4.quant import activations, settings
 from tg_ds4.runtime.runner import Runner
-from tg_ds4.runtime.speculative import DraftModel, MTPDraft
+from tg_ds4.runtime.speculative import DraftModel, MTPDraft, mtp_source
 from tg_ds4.server import anthropic_api, openai_api
 from tg_ds4.server.body import BodyLimits, BodySlots
 from tg_ds4.server.connections import BACKLOG, RateLimited, connection_cap, limited_protocol
@@ -100,7 +100,8 @@ def load(model: str, max_context: int | None, kv_cache_dir: str | None = None, k
   path = pathlib.Path(resolve(model))
   gf = open_model(path, quantize)
   tok, t0 = Tokenizer.from_gguf(gf), time.perf_counter()
-  mtp = bool(speculative) and not draft  # the file's own multi-token-prediction block drafts (cli checked that it can)
+  dgf = open_model(resolve(draft), quantize) if speculative and draft else None
+  mtp = bool(speculative) and mtp_source(dgf)  # a multi-token-prediction block drafts (cli checked that it can)
   def load_runner():
     runner = Runner.load(gf, max_ctx=max_context or default_context(gf), parallel=parallel, numerics=numerics, mtp=mtp)
     if not kv_cache_dir: return runner, None
@@ -109,7 +110,7 @@ def load(model: str, max_context: int | None, kv_cache_dir: str | None = None, k
     return runner, KVStore(kv_cache_dir, fp, kv_cache_size, kv_cache_min_tokens)
   def load_draft(runner: Runner):
     if mtp: return MTPDraft(runner)
-    return DraftModel(Runner.load(open_model(resolve(draft), quantize), max_ctx=max_context or default_context(gf), numerics=numerics))
+    return DraftModel(Runner.load(dgf, max_ctx=max_context or default_context(gf), numerics=numerics))
   worker = Worker(load_runner, max_queue, warmup=warmup, draft=load_draft if speculative else None,
                   speculative=speculative).start().wait_loaded()
   model_id, max_ctx = served_name or served_model_id(model, path), worker.runner.model.max_ctx

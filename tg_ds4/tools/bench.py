@@ -16,7 +16,7 @@ from tg_ds4.backend.cache import cache_dir
 from tg_ds4.backend.cpu.replay import engine_threads
 from tg_ds4.io.hf_folder import Checkpoint, open_model
 from tg_ds4.io.registry import resolve
-from tg_ds4.models.families import config_of, mtp_unavailable
+from tg_ds4.models.families import config_of, is_mtp_file, mtp_unavailable
 from tg_ds4.quant import activations, settings
 from tg_ds4.runtime.batcher import Batcher, Request
 from tg_ds4.runtime.runner import Runner, reusable_prefix
@@ -124,12 +124,13 @@ class SpeculativeSide:
   rate is tokens over the whole decode (steps are uneven: each round emits 1..k+1 tokens), set against plain decode's
   over the same tokens; the acceptance is the share of drafts kept."""
   def __init__(self, tg: TgSide, draft, k: int, numerics: str, gf=None):
-    """`draft`: the draft model's file; None: `gf`'s own multi-token-prediction block, in a runner of its own (its
-    steps also fill the block's cache), so that plain decode stays the runner a plain `generate` loads."""
-    from tg_ds4.runtime.speculative import DraftModel, MTPDraft
+    """`draft`: the draft model's file, or a file holding only a multi-token-prediction block for `gf`; None: `gf`'s
+    own block. A block drafts in a runner of its own (its steps also fill the block's cache), so that plain decode
+    stays the runner a plain `generate` loads."""
+    from tg_ds4.runtime.speculative import DraftModel, MTPDraft, mtp_source
     self.tg, self.k, self.rates, self.acceptance = tg, k, [], []
-    if draft is None:
-      self.runner = Runner.load(gf, max_ctx=tg.runner.model.max_ctx, numerics=numerics, mtp=True)
+    if mtp := mtp_source(draft):
+      self.runner = Runner.load(gf, max_ctx=tg.runner.model.max_ctx, numerics=numerics, mtp=mtp)
       self.drafter = MTPDraft(self.runner)
     else: self.runner, self.drafter = tg.runner, DraftModel(Runner.load(draft, max_ctx=tg.runner.model.max_ctx, numerics=numerics))
     for _ in range(2): self._run(8)  # compile + capture the draft's steps and the verify step
@@ -300,6 +301,7 @@ def run(model: str, prompt_tokens: int = 128, gen: int = 64, repeat: int = 3, vs
     from tg_ds4.runtime.speculative import vocab_mismatch
     dgf = open_model(resolve(draft), quantize)
     if (why := vocab_mismatch(gf.metadata, dgf.metadata)) is not None: raise BenchError(f"{draft} cannot draft for {model}: {why}")
+    if is_mtp_file(dgf) and (why := mtp_unavailable(gf, dgf)) is not None: raise BenchError(f"{draft} cannot draft for {model}: {why}")
   elif speculative and (why := mtp_unavailable(gf)) is not None: raise BenchError(f"{model} has nothing to draft with ({why}): pass a draft")
   tg = TgSide(gf, prompt, gen, numerics)
   spec = SpeculativeSide(tg, dgf, speculative, numerics, gf) if speculative else None
