@@ -34,6 +34,9 @@ def tg(*args, timeout=600):
   (["generate", "-m", DS3, "-p", "hi", "--speculative", "2", "--draft", str(FIX / "deepseek4/flash/flash-MXFP4.gguf")],
    "cannot draft for " + DS3 + ": its vocabulary differs (token 2 is"),
   (["generate", "-m", DS3, "-p", "hi", "--speculative", "17", "--draft", DS3], "--speculative must be in [1, 16], got 17"),
+  (["generate", "-m", str(FIX / "deepseek4/flash/flash-MXFP4.gguf"), "-p", "hi", "--speculative", "2"],
+   "has nothing to draft with (it has no multi-token-prediction block; a deepseek4 model's is a file of its own, written by "
+   "convert_hf_to_gguf.py --mtp): pass --draft MODEL"),
   (["bench", "-m", DS3, "--speculative", "2"], "has nothing to draft with (it has no multi-token-prediction layers): pass --draft MODEL"),
   (["serve", "-m", DS3, "--speculative", "2", "--port", "0"], "has nothing to draft with (it has no multi-token-prediction layers)"),
   (["bench", "-m", DS3, "--speculative", "17", "--draft", DS3], "--speculative must be in [1, 16], got 17"),

@@ -74,9 +74,16 @@ def test_mtp_speculation_in_server_slots(exact):
   assert tokens(b.run(reqs)) == want and b.drafted > drafted
 
 def test_a_draft_file_is_told_from_a_draft_model():
-  """The --mtp file drafts as a block for its target (not as a model of its own); the target alone has none."""
+  """The --mtp file drafts as a block for its target (not as a model of its own, also where the CLI loads it); the
+  target alone has none."""
+  from tg_ds4 import cli
+  args = cli.build_parser().parse_args(["generate", "-m", str(TARGET), "-p", "hi", "--speculative", "2", "--draft", str(DRAFT),
+                                        "--max-context", "64"])
+  _, runner, _, drafter = cli._load(args)
+  assert isinstance(drafter, MTPDraft) and drafter.runner is runner and runner.model.nextn is not None
   d, t = GGUFFile(DRAFT), GGUFFile(TARGET)
   assert is_mtp_file(d) and not is_mtp_file(t) and mtp_source(d) is d and mtp_source(None) is True and mtp_source(t) is False
   assert mtp_unavailable(t, d) is None
-  assert mtp_unavailable(t) == "it has no multi-token-prediction layers"
+  assert mtp_unavailable(t) == ("it has no multi-token-prediction block; a deepseek4 model's is a file of its own, written by "
+                                "convert_hf_to_gguf.py --mtp")
   assert "drafts for deepseek4 targets" in mtp_unavailable(GGUFFile(FIX.parent / "deepseek2/ds3/ds3-Q4_0.gguf"), d)

@@ -70,11 +70,11 @@ def mtp_unavailable(gf: GGUFFile, draft: GGUFFile | None = None) -> str | None:
     if gf.arch != "deepseek4" or draft.arch != "deepseek4":
       return "a separate multi-token-prediction file drafts for deepseek4 targets (deepseek2 files carry their block themselves)"
     cfg = DS4Transformer.draft_config(cfg, draft)
-  if not getattr(cfg, "n_nextn", 0): return "it has no multi-token-prediction layers"
   if isinstance(cfg, DS4Config):
-    if draft is None and f"blk.{cfg.n_layer}.nextn.eh_proj.weight" not in gf:
-      return "it has no multi-token-prediction block (convert_hf_to_gguf.py --mtp writes it as a file of its own: pass it as --draft)"
+    if draft is None and (not cfg.n_nextn or f"blk.{cfg.n_layer}.nextn.eh_proj.weight" not in gf):
+      return "it has no multi-token-prediction block; a deepseek4 model's is a file of its own, written by convert_hf_to_gguf.py --mtp"
     return nextn_unsupported(cfg)
+  if not getattr(cfg, "n_nextn", 0): return "it has no multi-token-prediction layers"
   if ARCHS[gf.arch].model is not Transformer: return f"drafting with {gf.arch}'s multi-token-prediction layers is not supported"
   return nextn.supported(cfg)
 
