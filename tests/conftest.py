@@ -26,8 +26,9 @@ def pytest_configure(config):
 # Under pytest-xdist the modules are handed out in collection order (`make test`: --no-loadscope-reorder): the modules
 # with background jobs first, so their jobs overlap the whole run instead of trailing it, then the slowest modules
 # (fresh-clone durations), so that no long module starts last beside an idle worker.
-SLOW_MODULES = ("test_real_models", "test_dsa", "test_ds4", "test_bench", "test_cli", "test_bitnet", "test_batch", "test_speculative", "test_mtp",
-                "test_reference", "test_checkpoint", "test_gemma4", "test_probe", "test_kernel_opts", "test_server", "test_stepcache")
+SLOW_MODULES = ("test_real_models", "test_dsa", "test_ds4", "test_bench", "test_cli", "test_bitnet", "test_batch", "test_speculative",
+                "test_mtp_ds4", "test_mtp", "test_reference", "test_checkpoint", "test_gemma4", "test_probe", "test_kernel_opts", "test_server",
+                "test_stepcache")
 
 # *** `make test-fast` (pytest --fast): the inner loop, a few minutes on 2 cores. Whole modules of unit tests, and each
 # family's float32 reference against transformers on one fixture. `make test` (CI) runs everything.

@@ -1,6 +1,7 @@
 """What the reference tests share: one engine run of a small family's fixture file (exact mode over the prompt and the
 reference's continuation, the engine path, greedy generation) and its comparisons with transformers' logits and with
-llama.cpp's own (activation-rounded) run; a model's dequantized twin; what counts as a clear greedy choice."""
+llama.cpp's own (activation-rounded) run; a model's dequantized twin; what counts as a clear greedy choice; a
+multi-token-prediction block speculating in serve's slots."""
 import functools, os, pathlib
 
 import gguf
@@ -79,3 +80,18 @@ def topk_kl(p_ids: np.ndarray, p_logprobs: np.ndarray, q_logits: np.ndarray) -> 
   p_tail = np.clip(1 - np.exp(p_lp).sum(-1), 1e-300, None)
   q_tail = np.clip(1 - np.exp(q_lp).sum(-1), 1e-300, None)
   return (np.exp(p_lp) * (p_lp - q_lp)).sum(-1) + p_tail * (np.log(p_tail) - np.log(q_tail))
+
+def assert_mtp_slots_answer_as_plain(r: Runner, prompts: list[list[int]], max_new: list[int], want: list[list[int]]) -> None:
+  """serve's slots (runner `r` with two, loaded with a multi-token-prediction block): a greedy request alone drafts with
+  the block in its own slot and answers `want` (plain decoding's tokens); two requests at once take the batched steps,
+  whose rows keep the block's rows of both slots up to date for the one that speculates after the other ends. The
+  server's warm-up captures the verify and draft steps."""
+  from tg_ds4.runtime.batcher import Batcher, Request
+  from tg_ds4.runtime.speculative import MTPDraft, warm_steps
+  reqs, d = [Request(tuple(p), n) for p, n in zip(prompts, max_new)], MTPDraft(r)
+  assert [name for name, _ in warm_steps(r, d, 3)] == ["verify-4", "mtp"]
+  tokens = lambda steps: [[s.token for s in q] for q in steps]
+  b = Batcher(r, drafter=d, speculative=3)
+  assert [tokens(b.run([q]))[0] for q in reqs] == want
+  drafted = b.drafted
+  assert tokens(b.run(reqs)) == want and b.drafted > drafted

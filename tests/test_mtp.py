@@ -9,9 +9,9 @@ import pathlib
 import numpy as np
 import pytest
 
+from family import assert_mtp_slots_answer_as_plain
 from tg_ds4.io.gguf import GGUFError, GGUFFile
-from tg_ds4.models.families import mtp_unavailable
-from tg_ds4.runtime.batcher import Batcher, Request
+from tg_ds4.models.families import is_mtp_file, mtp_unavailable
 from tg_ds4.runtime.runner import Runner
 from tg_ds4.runtime.speculative import MTPDraft, speculate
 
@@ -63,24 +63,38 @@ def test_mtp_speculation_gives_plain_greedy_tokens(plain, auto):
       assert st.drafted % k == 0 and 0 <= st.accepted <= st.drafted
 
 def test_mtp_speculation_in_server_slots(plain):
-  """serve's slots: a greedy request alone drafts with the block in its own slot (the block's cache and hidden states
-  have slots too) and answers what plain decoding answers; two requests at once take the batched steps, whose rows
-  keep the block's rows of both slots up to date for the one that speculates after the other ends. The server's
-  warm-up captures the draft step."""
-  from tg_ds4.runtime.speculative import warm_steps
-  reqs = [Request(tuple(SEQ[:14]), 30), Request(tuple(SEQ[20:29]), 8)]
-  want = [list(plain.generate(list(q.prompt), q.max_new)) for q in reqs]
-  r = Runner.load(FILE, max_ctx=CTX, parallel=2, mtp=True)
-  d = MTPDraft(r)
-  assert [name for name, _ in warm_steps(r, d, 3)] == ["verify-4", "mtp"]
-  tokens = lambda steps: [[s.token for s in q] for q in steps]
-  b = Batcher(r, drafter=d, speculative=3)
-  assert [tokens(b.run([q]))[0] for q in reqs] == want
-  drafted = b.drafted
-  assert tokens(b.run(reqs)) == want and b.drafted > drafted
+  """family.assert_mtp_slots_answer_as_plain: the block's cache and hidden states have slots too."""
+  prompts, n = [SEQ[:14], SEQ[20:29]], [30, 8]
+  want = [list(plain.generate(p, k)) for p, k in zip(prompts, n)]
+  assert_mtp_slots_answer_as_plain(Runner.load(FILE, max_ctx=CTX, parallel=2, mtp=True), prompts, n, want)
 
 def test_files_without_a_block_that_drafts_say_why(tmp_path):
   assert mtp_unavailable(GGUFFile(FILE)) is None
   assert mtp_unavailable(GGUFFile(FIX / "deepseek2/ds3/ds3-Q4_0.gguf")) == "it has no multi-token-prediction layers"
   with pytest.raises(GGUFError, match="no multi-token-prediction layers"): Runner.load(FIX / "deepseek2/ds3/ds3-Q4_0.gguf", max_ctx=CTX, mtp=True)
   with pytest.raises(ValueError, match="without the multi-token-prediction block"): Runner.load(FILE, max_ctx=CTX).draft_next(1, 0)
+
+def test_a_file_holding_only_the_block_drafts_as_the_model_file_does(tmp_path):
+  """convert_hf_to_gguf.py --mtp's layout (the block, with copies of the model's embedding, head norm and head, in a file
+  of its own; the metadata unchanged) drafts for the model as its own block does: the reference's logits (exact
+  numerics, 2e-5) at the first 8 positions. A block that follows another number of layers cannot."""
+  import gguf
+  src = gguf.GGUFReader(FILE)
+  def write(path, block_count=None):
+    w = gguf.GGUFWriter(str(path), "deepseek2")
+    for f in src.fields.values():
+      if f.name.startswith("GGUF.") or f.name == "general.architecture": continue
+      v = block_count if f.name == "deepseek2.block_count" and block_count is not None else f.contents()
+      w.add_key_value(f.name, v, f.types[0], sub_type=f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for t in src.tensors:
+      if t.name.startswith("blk.3.") or t.name in ("token_embd.weight", "output_norm.weight", "output.weight"):
+        w.add_tensor(t.name, np.array(t.data), raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    return GGUFFile(path)
+  d, target = write(tmp_path / "mtp-glm.gguf"), GGUFFile(FILE)
+  assert is_mtp_file(d) and not is_mtp_file(target) and mtp_unavailable(target, d) is None
+  assert mtp_unavailable(target, write(tmp_path / "other.gguf", 5)) == "its multi-token-prediction block follows 4 layers, the model has 3"
+  r, ref = Runner.load(FILE, max_ctx=CTX, numerics="exact", mtp=d), np.load(MTP / "logits_mtp.npy")
+  for p in range(8):
+    assert rel(r.draft_logits(SEQ[p], p), ref[p]) <= 2e-5, p
+    r.next_token(SEQ[p], p)

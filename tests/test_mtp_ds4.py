@@ -11,9 +11,9 @@ import pytest
 
 from tg_ds4.io.gguf import GGUFFile
 from tg_ds4.models.families import is_mtp_file, mtp_unavailable
-from tg_ds4.runtime.batcher import Batcher, Request
+from family import assert_mtp_slots_answer_as_plain
 from tg_ds4.runtime.runner import Runner
-from tg_ds4.runtime.speculative import MTPDraft, mtp_source, speculate, warm_steps
+from tg_ds4.runtime.speculative import MTPDraft, mtp_source, speculate
 
 FIX = pathlib.Path(__file__).parent / "fixtures/deepseek4"
 TARGET, DRAFT = FIX / "flash/flash-MXFP4.gguf", FIX / "flash-mtp/flash-mtp-Q4_0.gguf"
@@ -60,18 +60,9 @@ def test_mtp_speculation_gives_plain_greedy_tokens(exact):
       assert st.drafted % k == 0 and 0 <= st.accepted <= st.drafted
 
 def test_mtp_speculation_in_server_slots(exact):
-  """serve's slots: a greedy request alone drafts with the block in its own slot (the block's ring and hidden streams
-  have slots too) and answers what plain decoding answers; two requests at once take the batched steps, whose rows keep
-  the block's rows of both slots up to date for the one that speculates after the other ends."""
-  r, reqs = exact, [Request(tuple(SEQ[:14]), 30), Request(tuple(SEQ[20:29]), 8)]
-  want = [list(r.generate(list(q.prompt), q.max_new)) for q in reqs]
-  d = MTPDraft(r)
-  assert [name for name, _ in warm_steps(r, d, 3)] == ["verify-4", "mtp"]
-  tokens = lambda steps: [[s.token for s in q] for q in steps]
-  b = Batcher(r, drafter=d, speculative=3)
-  assert [tokens(b.run([q]))[0] for q in reqs] == want
-  drafted = b.drafted
-  assert tokens(b.run(reqs)) == want and b.drafted > drafted
+  """family.assert_mtp_slots_answer_as_plain: the block's ring and hidden streams have slots too."""
+  prompts, n = [SEQ[:14], SEQ[20:29]], [30, 8]
+  assert_mtp_slots_answer_as_plain(exact, prompts, n, [list(exact.generate(p, k)) for p, k in zip(prompts, n)])
 
 def test_a_draft_file_is_told_from_a_draft_model():
   """The --mtp file drafts as a block for its target (not as a model of its own, also where the CLI loads it); the
@@ -86,4 +77,5 @@ def test_a_draft_file_is_told_from_a_draft_model():
   assert mtp_unavailable(t, d) is None
   assert mtp_unavailable(t) == ("it has no multi-token-prediction block; a deepseek4 model's is a file of its own, written by "
                                 "convert_hf_to_gguf.py --mtp")
-  assert "drafts for deepseek4 targets" in mtp_unavailable(GGUFFile(FIX.parent / "deepseek2/ds3/ds3-Q4_0.gguf"), d)
+  ds3 = GGUFFile(FIX.parent / "deepseek2/ds3/ds3-Q4_0.gguf")
+  assert mtp_unavailable(ds3, d) == "its multi-token-prediction block is deepseek4's, the model is deepseek2"

@@ -46,7 +46,7 @@ from tinygrad import Tensor, UOp, dtypes
 from tg_ds4.backend.compat import DType, function
 from tg_ds4.config import BaseConfig, Gating, Meta, MoEConfig, RopeConfig, RopeType
 from tg_ds4.io.gguf import GGUFError, GGUFFile
-from tg_ds4.models.nextn import NextNParams
+from tg_ds4.models.nextn import NextNParams, Root
 from tg_ds4.nn import attention_kernel
 from tg_ds4.nn.cache_rows import Rows
 from tg_ds4.nn.layers import Embedding, Linear, Param, Params, RMSNorm, load_weights, matmul, matmul_input
@@ -490,13 +490,13 @@ class DS4Block:
     h, post, comb = self.hc_ffn(x)
     return hc_post(done(self.ffn(matmul_input(self.ffn_norm(h)), tokens)), x, post, comb).contiguous()  # one barrier per block, as model.Block
 
-class NextNRoot:
+class NextNRoot(Root):
   """The root tensors of a multi-token-prediction block's file that the block reads, as llama.cpp's graph_mtp reads
-  them: the hyper head (`output_hc_*`; a draft file written by convert_hf_to_gguf.py --mtp holds the block's own there),
-  and the embedding, head norm and head where the block has no `nextn.*` copy of its own."""
+  them: nextn.Root's, and the hyper head (`output_hc_*`; a draft file written by convert_hf_to_gguf.py --mtp holds the
+  block's own there)."""
   def __init__(self, cfg: DS4Config):
-    self.token_embd, self.output_norm = Embedding(cfg.n_vocab, cfg.dim), RMSNorm(cfg.dim, cfg.norm_eps)
-    self.output_hc, self.output = HyperConn(cfg, "output_hc", head=True), Linear(cfg.dim, cfg.n_vocab)
+    super().__init__(cfg)
+    self.output_hc = HyperConn(cfg, "output_hc", head=True)
 
 class DS4NextN:
   """DeepSeek V4's multi-token-prediction block (`blk.{n_layer}`, llama.cpp's deepseek4 graph_mtp): models/nextn.py's

@@ -4,14 +4,14 @@
 then the weights. Everything after that (captured steps, generation, prefix reuse) belongs to runtime/runner.py's Runner."""
 from __future__ import annotations
 
-import logging
+import dataclasses, logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tinygrad import Tensor, UOp
 
-from tg_ds4.config import ModelConfig
+from tg_ds4.config import Meta, ModelConfig
 from tg_ds4.io.gguf import GGUFError, GGUFFile
 from tg_ds4.models import nextn
 from tg_ds4.models.deepseek4 import DS4Config, DS4Transformer, nextn_unsupported
@@ -67,9 +67,12 @@ def mtp_unavailable(gf: GGUFFile, draft: GGUFFile | None = None) -> str | None:
   cannot draft, or None when it can (models/nextn.py, models/deepseek4.py's DS4NextN)."""
   cfg = config_of(gf)
   if draft is not None:
-    if gf.arch != "deepseek4" or draft.arch != "deepseek4":
-      return "a separate multi-token-prediction file drafts for deepseek4 targets (deepseek2 files carry their block themselves)"
-    cfg = DS4Transformer.draft_config(cfg, draft)
+    if draft.arch != gf.arch: return f"its multi-token-prediction block is {draft.arch}'s, the model is {gf.arch}"
+    if isinstance(cfg, DS4Config): cfg = DS4Transformer.draft_config(cfg, draft)
+    else:  # the block's tensors are loaded with the model's config: their shapes are checked then
+      if (n := Meta(draft, draft.arch).n_layer()) != cfg.n_layer:
+        return f"its multi-token-prediction block follows {n} layers, the model has {cfg.n_layer}"
+      cfg = dataclasses.replace(cfg, n_nextn=int(draft.get(f"{draft.arch}.nextn_predict_layers", 0) or 0))
   if isinstance(cfg, DS4Config):
     if draft is None and (not cfg.n_nextn or f"blk.{cfg.n_layer}.nextn.eh_proj.weight" not in gf):
       return "it has no multi-token-prediction block; a deepseek4 model's is a file of its own, written by convert_hf_to_gguf.py --mtp"
@@ -92,7 +95,7 @@ def load_model(gf: GGUFFile, device: str, max_ctx: int | None = None, numerics: 
   A context past the trained one is allowed, as llama.cpp allows it, with one warning: the math is defined there (RoPE
   of any position), only the model's quality is not. `numerics`: how quantized matmuls treat their inputs
   (quant/activations.py: "auto", "exact" or "llama.cpp"). `mtp`: with the multi-token-prediction block, for drafting:
-  the file's own (True) or a file holding only the block (`is_mtp_file`; deepseek4 targets)."""
+  the file's own (True) or a file holding only the block (`is_mtp_file`)."""
   cfg = config_of(gf)
   if (max_ctx := max_ctx or cfg.ctx_len) > cfg.ctx_len and getattr(cfg, "pos_embd", False):
     raise GGUFError(f"{gf.path}: learned positions (position_embd) for {cfg.ctx_len} tokens, a context of {max_ctx} was asked for")

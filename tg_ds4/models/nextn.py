@@ -13,7 +13,9 @@ position p - 1 (a zero vector at p = 0):
     logits_p = head(h'_p)   -> the draft of the token at p + 2 (position p + 1's token is the one just fed)
 
 h is the target's final normed hidden state (the head's input) for rows the target computed, and the block's own h'
-for the drafts that follow the first. The block's cache rows at the target's positions hold what the target's h gives
+for the drafts that follow the first. The block may come from a file of its own (convert_hf_to_gguf.py --mtp: only
+`blk.N.*` and copies of the model's token_embd, output_norm and output): it then reads that file's copies (`Root`), as
+llama.cpp's draft model does. The block's cache rows at the target's positions hold what the target's h gives
 them, so every target step also computes this block's cache rows for its own rows (eh_proj and the cache projection
 only: no attention, no experts, no head), and stores its h rows in `hidden`. A draft step then reads `hidden` at p - 1
 (the target's row, or the previous draft's), runs the whole block and the head, and stores its h' at p. The target's
@@ -41,6 +43,11 @@ class NextNParams:
     self.shared_head_norm = _optional(RMSNorm(D, cfg.norm_eps))
     self.shared_head_head = _optional(Linear(D, cfg.n_vocab))
 
+class Root:
+  """The embedding, head norm and head of a file holding only the block, read where the block has no `nextn.*` copy."""
+  def __init__(self, cfg):
+    self.token_embd, self.output_norm, self.output = Embedding(cfg.n_vocab, cfg.dim), RMSNorm(cfg.dim, cfg.norm_eps), Linear(cfg.dim, cfg.n_vocab)
+
 def supported(cfg: ModelConfig) -> str | None:
   """Why this config's MTP block cannot draft here, or None."""
   if not cfg.mla or cfg.idx_top_k: return "multi-token-prediction drafting runs deepseek2 files with MLA (not DSA)"
@@ -49,8 +56,9 @@ def supported(cfg: ModelConfig) -> str | None:
 
 class NextN:
   """The block and its `nextn` parameters; `block` is a models/transformer.py Block (attention, experts, norms)."""
-  def __init__(self, block, cfg: ModelConfig):
-    self.block = block
+  def __init__(self, block, cfg: ModelConfig, root: Root | None = None):
+    """`root`: the block's file's own embedding and head (a file holding only the block); None: the model's."""
+    self.block, self.root = block, root
     self.block.nextn = NextNParams(cfg)
 
   @property
@@ -58,8 +66,9 @@ class NextN:
 
   def _input(self, model, tokens, h_prev: Tensor, emb: Tensor | None = None) -> Tensor:
     """eh_proj([enorm(embed(tokens)) ; hnorm(h_prev)]) `[B, T, D]`; `emb`: the main embedding of `tokens`, if computed."""
-    p = self.p
-    e = p.embed_tokens(tokens) if p.embed_tokens.weight is not None else model.token_embd(tokens) if emb is None else emb
+    p, root = self.p, self.root
+    if p.embed_tokens.weight is not None: e = p.embed_tokens(tokens)
+    else: e = root.token_embd(tokens) if root is not None else model.token_embd(tokens) if emb is None else emb
     return p.eh_proj(matmul_input(p.enorm(e).cat(p.hnorm(h_prev), dim=-1)))
 
   def follow(self, model, tokens, emb: Tensor, h: Tensor, start_pos: int | UOp | Rows) -> Tensor:
@@ -82,8 +91,8 @@ class NextN:
     with this block's cache row and hidden state of p stored."""
     (s, p), = Rows.of(start_pos)
     x = self.block(self._input(model, token, model.hidden[s:s + 1, p:p + 1]), start_pos, model.rope)
-    pn = self.p
-    h = pn.shared_head_norm(x) if pn.shared_head_norm.weight is not None else model.output_norm(x)
+    pn, root = self.p, self.root or model
+    h = pn.shared_head_norm(x) if pn.shared_head_norm.weight is not None else root.output_norm(x)
     after = Tensor(model.hidden.uop.after(*row_stores(model.hidden[:, 1:], h, Rows.of(start_pos))))[:, 1:]
     h = matmul_input(after[s:s + 1, p:p + 1])
-    return pn.shared_head_head(h) if pn.shared_head_head.weight is not None else model.output(h)
+    return pn.shared_head_head(h) if pn.shared_head_head.weight is not None else root.output(h)

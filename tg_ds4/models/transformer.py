@@ -99,19 +99,22 @@ class Transformer:
 
   @classmethod
   def load(cls, cfg: ModelConfig, gf: GGUFFile, device: str, max_ctx: int, numerics: str, slots: int = 1,
-           mtp: bool = False) -> Transformer:
+           mtp: bool | GGUFFile = False) -> Transformer:
     """Weights from the file (packed; see nn/layers.py's load_weights), CPU re-encodings, caches (`slots` sequences side by
     side: nn/cache_rows.py) and rope tables. `mtp`: also the multi-token-prediction block, which every step then
-    follows (models/nextn.py)."""
+    follows (models/nextn.py): this file's (True) or that of a file holding only the block (convert_hf_to_gguf.py --mtp)."""
     model = cls(cfg)
     rename = {} if "output.weight" in gf else {"output.weight": "token_embd.weight"}  # tied embeddings
     for i, b in enumerate(model.blk):
       if cfg.mla and f"blk.{i}.attn_k_b.weight" not in gf: _split_kv_b(b.attn, gf, i, device)
     load_weights(model, gf, device, rename)
-    if mtp:  # families.mtp_unavailable has checked that the file has a block this class runs
-      model.nextn, n = nextn.NextN(Block(cfg, cfg.n_layer), cfg), cfg.n_layer
-      if f"blk.{n}.attn_k_b.weight" not in gf: _split_kv_b(model.nextn.block.attn, gf, n, device)
-      load_weights(model.nextn.block, gf, device, prefix=f"blk.{n}.")
+    if mtp:  # families.mtp_unavailable has checked that the block's file has one this class runs
+      bf, n = gf if mtp is True else mtp, cfg.n_layer
+      root = None if bf is gf else nextn.Root(cfg)
+      model.nextn = nextn.NextN(Block(cfg, n), cfg, root)
+      if f"blk.{n}.attn_k_b.weight" not in bf: _split_kv_b(model.nextn.block.attn, bf, n, device)
+      load_weights(model.nextn.block, bf, device, prefix=f"blk.{n}.")
+      if root is not None: load_weights(root, bf, device)
     model.settings = settings.Settings.for_model(device, numerics)
     widen.prepare(model, model.settings)
     for b in model.blk:
