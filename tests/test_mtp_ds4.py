@@ -77,5 +77,11 @@ def test_a_draft_file_is_told_from_a_draft_model():
   assert mtp_unavailable(t, d) is None
   assert mtp_unavailable(t) == ("it has no multi-token-prediction block; a deepseek4 model's is a file of its own, written by "
                                 "convert_hf_to_gguf.py --mtp")
+  from dataclasses import replace
+
+  from tg_ds4.models.deepseek4 import DS4Config, DS4Transformer
+  cfg = DS4Config.from_gguf(t)
+  assert DS4Transformer.draft_mismatch(cfg, DS4Config.from_gguf(d)) is None
+  assert DS4Transformer.draft_mismatch(cfg, replace(cfg, hc=2)) == "its multi-token-prediction block does not fit the model (hc 2, the model's 4)"
   ds3 = GGUFFile(FIX.parent / "deepseek2/ds3/ds3-Q4_0.gguf")
   assert mtp_unavailable(ds3, d) == "its multi-token-prediction block is deepseek4's, the model is deepseek2"

@@ -125,13 +125,9 @@ def _draft_file(args, gf):
     raise UsageError(f"{args.model} has nothing to draft with ({why}): pass --draft MODEL, a smaller model of the same vocabulary")
   from tg_ds4.io.hf_folder import open_model
   from tg_ds4.io.registry import resolve
-  from tg_ds4.runtime.speculative import vocab_mismatch
+  from tg_ds4.runtime.speculative import draft_unusable
   dgf = open_model(resolve(args.draft), getattr(args, "quantize", None))
-  if (why := vocab_mismatch(gf.metadata, dgf.metadata)) is not None:
-    raise UsageError(f"--draft {args.draft} cannot draft for {args.model}: its vocabulary differs ({why})")
-  from tg_ds4.models.families import is_mtp_file, mtp_unavailable
-  if is_mtp_file(dgf) and (why := mtp_unavailable(gf, dgf)) is not None:
-    raise UsageError(f"--draft {args.draft} cannot draft for {args.model}: {why}")
+  if (why := draft_unusable(gf, dgf)) is not None: raise UsageError(f"--draft {args.draft} cannot draft for {args.model}: {why}")
   return dgf
 
 def _stream(runner, tok, ids, args, sp, out=sys.stdout, drafter=None) -> list[int]:

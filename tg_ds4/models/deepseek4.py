@@ -611,20 +611,18 @@ class DS4Transformer:
     for b in model.blk: b.attn.init_cache(max_ctx, C, device, model.settings.cache, slots)
     if mtp:  # families.mtp_unavailable has checked that the block's file has one this class runs
       bf = gf if mtp is True else mtp
-      model.nextn = DS4NextN(cfg if bf is gf else cls.draft_config(cfg, bf))
+      model.nextn = DS4NextN(cfg if bf is gf else DS4Config.from_gguf(bf))
       model.nextn.load(bf, device, max_ctx, model.settings.cache, slots)
     model.slots = slots
     return model
 
   @staticmethod
-  def draft_config(cfg: DS4Config, gf: GGUFFile) -> DS4Config:
-    """The config of a draft file holding a multi-token-prediction block for a target with `cfg`, checked against it."""
-    d = DS4Config.from_gguf(gf)
+  def draft_mismatch(cfg: DS4Config, d: DS4Config) -> str | None:
+    """Why the multi-token-prediction block of a draft file with config `d` does not fit a target with `cfg`, or None."""
     for f in ("n_layer", "dim", "n_vocab", "n_head", "head_dim", "hc", "window", "rope", "q_lora_rank", "o_groups", "o_lora_rank"):
       if getattr(d, f) != getattr(cfg, f):
-        raise GGUFError(f"{gf.path}: its multi-token-prediction block does not fit the target ({f} {getattr(d, f)}, "
-                        f"the target's {getattr(cfg, f)})")
-    return d
+        return f"its multi-token-prediction block does not fit the model ({f} {getattr(d, f)}, the model's {getattr(cfg, f)})"
+    return None
 
   def forward(self, tokens: Tensor | UOp | list[UOp], start_pos: int | UOp | Rows, last_only: bool = False,
               select: Tensor | None = None) -> Tensor:

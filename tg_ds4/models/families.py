@@ -68,7 +68,9 @@ def mtp_unavailable(gf: GGUFFile, draft: GGUFFile | None = None) -> str | None:
   cfg = config_of(gf)
   if draft is not None:
     if draft.arch != gf.arch: return f"its multi-token-prediction block is {draft.arch}'s, the model is {gf.arch}"
-    if isinstance(cfg, DS4Config): cfg = DS4Transformer.draft_config(cfg, draft)
+    if isinstance(cfg, DS4Config):
+      if (why := DS4Transformer.draft_mismatch(cfg, d := DS4Config.from_gguf(draft))) is not None: return why
+      cfg = d
     else:  # the block's tensors are loaded with the model's config: their shapes are checked then
       if (n := Meta(draft, draft.arch).n_layer()) != cfg.n_layer:
         return f"its multi-token-prediction block follows {n} layers, the model has {cfg.n_layer}"

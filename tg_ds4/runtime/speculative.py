@@ -29,7 +29,8 @@ from typing import Protocol
 import numpy as np
 
 from tg_ds4.backend.buffers import host_array
-from tg_ds4.models.families import is_mtp_file
+from tg_ds4.io.gguf import GGUFFile
+from tg_ds4.models.families import is_mtp_file, mtp_unavailable
 from tg_ds4.runtime.runner import FEED_TOKENS, GREEDY, Runner, reusable_prefix
 from tg_ds4.runtime.sampling import SamplingParams, rng
 
@@ -95,7 +96,7 @@ class MTPDraft:
       drafts.append(tok)
     return drafts, np.stack(qs) if sampling else None
 
-def mtp_source(draft) -> bool | object:
+def mtp_source(draft: GGUFFile | None) -> bool | GGUFFile:
   """Runner.load's `mtp` for speculation drafted by the GGUF `draft` (None: the target's own multi-token-prediction
   block): True, the draft itself when it holds only a block (convert_hf_to_gguf.py --mtp's file), else False (a draft
   model, DraftModel)."""
@@ -177,6 +178,12 @@ def warm_steps(target: Runner, drafter: Drafter, k: int) -> list[tuple[str, Call
     steps += [(f"draft {name}", lambda run=run: (run(), r.forget(0))) for name, run in r.warm_steps()
               if name.startswith("prefill-") or name == "decode-greedy"]
   return steps
+
+def draft_unusable(target: GGUFFile, draft: GGUFFile) -> str | None:
+  """Why `draft` (a draft model, or a file holding only a multi-token-prediction block) cannot draft for `target`, or
+  None."""
+  if (why := vocab_mismatch(target.metadata, draft.metadata)) is not None: return f"its vocabulary differs ({why})"
+  return mtp_unavailable(target, draft) if is_mtp_file(draft) else None
 
 def vocab_mismatch(target_md: dict, draft_md: dict) -> str | None:
   """Why a draft model's vocabulary cannot draft for the target's (the GGUF tokenizer metadata), or None: the same

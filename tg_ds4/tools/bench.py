@@ -16,7 +16,7 @@ from tg_ds4.backend.cache import cache_dir
 from tg_ds4.backend.cpu.replay import engine_threads
 from tg_ds4.io.hf_folder import Checkpoint, open_model
 from tg_ds4.io.registry import resolve
-from tg_ds4.models.families import config_of, is_mtp_file, mtp_unavailable
+from tg_ds4.models.families import config_of, mtp_unavailable
 from tg_ds4.quant import activations, settings
 from tg_ds4.runtime.batcher import Batcher, Request
 from tg_ds4.runtime.runner import Runner, reusable_prefix
@@ -298,10 +298,9 @@ def run(model: str, prompt_tokens: int = 128, gen: int = 64, repeat: int = 3, vs
   if parallel > 1: res["parallel"] = bench_parallel(gf, prompt, gen, repeat, parallel, numerics)
   dgf = None
   if speculative and draft is not None:
-    from tg_ds4.runtime.speculative import vocab_mismatch
+    from tg_ds4.runtime.speculative import draft_unusable
     dgf = open_model(resolve(draft), quantize)
-    if (why := vocab_mismatch(gf.metadata, dgf.metadata)) is not None: raise BenchError(f"{draft} cannot draft for {model}: {why}")
-    if is_mtp_file(dgf) and (why := mtp_unavailable(gf, dgf)) is not None: raise BenchError(f"{draft} cannot draft for {model}: {why}")
+    if (why := draft_unusable(gf, dgf)) is not None: raise BenchError(f"{draft} cannot draft for {model}: {why}")
   elif speculative and (why := mtp_unavailable(gf)) is not None: raise BenchError(f"{model} has nothing to draft with ({why}): pass a draft")
   tg = TgSide(gf, prompt, gen, numerics)
   spec = SpeculativeSide(tg, dgf, speculative, numerics, gf) if speculative else None
