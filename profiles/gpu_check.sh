@@ -10,7 +10,10 @@
 #   5. (STEPS=...parallel...) bench --parallel 4 of the V2-Lite-shaped file: 4 sequences a step where decode reads memory.
 #   6. (STEPS=...speculative...) bench --speculative 4 of the V2-Lite-shaped file drafting for itself (every draft
 #      accepted: speculation's ceiling against plain decode, where a 5-row verify step should cost about one step).
-# STEPS picks among jobs, v2lite, stock, f32, parallel, speculative and v4 (default: all but parallel, speculative and v4).
+#   7. (STEPS=...predict..., with v2lite/v4) each kernel's time measured here beside the GPU cost model's prediction
+#      (tools/gpu_cost.py): $OUT/gpu/<gpu>-<commit>-<file>.csv, to be copied into profiles/gpu/ and committed, where
+#      tests/test_gpu_cost.py holds the model to it.
+# STEPS picks among jobs, v2lite, stock, f32, parallel, speculative, predict and v4 (default: jobs v2lite stock f32 predict).
 # Each step has its own time limit and log under $OUT. Wheels for what the machine lacks (tinygrad, gguf, the server's
 # libraries) travel in .whl/ at the repository root, installed offline; everything else comes from the machine's python3.
 set -u
@@ -40,7 +43,18 @@ DEV=$GPU python3 -c "from tinygrad import Tensor, Device; print(Device.DEFAULT, 
   GPU=NV; DEV=NV python3 -c "from tinygrad import Tensor, Device; print(Device.DEFAULT, (Tensor([1., 2.]) + 1).tolist())" || exit 1; }
 echo "device $GPU" | tee -a "$OUT/summary"
 FLOAT32=${F32_K:-_transformers}
-STEPS=${STEPS:-jobs v2lite stock f32}
+STEPS=${STEPS:-jobs v2lite stock f32 predict}
+KIND=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]00' | tr 'H' 'h'); KIND=${KIND:-h200}
+COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo worktree)
+measure() {  # measure NAME FILE PARALLEL: profile and bench on the GPU, then the CSV of both beside the prediction
+  local name=$1 file=$2 par=$3 extra=""
+  [ "$par" -gt 1 ] && extra="--parallel $par"
+  step "profile_json_$name" ${PROFILE_S:-90} sh -c "python3 -m tg_ds4 profile -m '$file' --json $extra > '$OUT/profile-$name.json'"
+  step "bench_json_$name" ${BENCH_S:-120} sh -c "python3 -m tg_ds4 bench -m '$file' --prompt-tokens 128 --gen 64 --repeat 2 --json $extra > '$OUT/bench-$name.json'"
+  mkdir -p "$OUT/gpu"
+  step "predict_$name" ${PREDICT_S:-120} python3 profiles/gpu_measured.py device --gpu "$KIND" --model "$file" --profile "$OUT/profile-$name.json" \
+    --bench "$OUT/bench-$name.json" --parallel "$par" --out "$OUT/gpu/$KIND-$COMMIT-$name.csv"
+}
 on() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 export TG_DS4_TEST_DEV=$GPU
 on jobs && step decode_jobs ${JOBS_S:-110} env TG_DS4_GPU=$GPU python3 -m pytest -q -s -p no:cacheprovider --durations=5 tests/test_devices.py -k decodes
@@ -54,6 +68,8 @@ if on v2lite; then
   step profile ${PROFILE_S:-90} python3 -m tg_ds4 profile -m "$BENCH" --out /tmp/profile_ours
   step bench ${BENCH_S:-120} python3 -m tg_ds4 bench -m "$BENCH" --prompt-tokens 128 --gen 64 --repeat 2
   on parallel && step bench_parallel ${PARALLEL_S:-180} python3 -m tg_ds4 bench -m "$BENCH" --prompt-tokens 32 --gen 32 --repeat 2 --parallel 4
+  on predict && measure "$(basename "$BENCH" .gguf)" "$BENCH" 1
+  on predict && on parallel && measure "$(basename "$BENCH" .gguf)-p4" "$BENCH" 4
   on speculative && step bench_speculative ${SPECULATIVE_S:-150} python3 -m tg_ds4 bench -m "$BENCH" --prompt-tokens 32 --gen 64 --repeat 2 \
     --speculative 4 --draft "$BENCH"
 fi
@@ -62,6 +78,7 @@ if on v4; then
   BENCH=$BENCHES/v4flash-4L-q2.gguf
   step profile_v4 ${PROFILE_S:-150} python3 -m tg_ds4 profile -m "$BENCH" --out /tmp/profile_v4
   step bench_v4 ${BENCH_S:-150} python3 -m tg_ds4 bench -m "$BENCH" --prompt-tokens 128 --gen 64 --repeat 2
+  on predict && measure "$(basename "$BENCH" .gguf)" "$BENCH" 1
 fi
 export TG_DS4_TEST_DEV=$GPU
 on f32 && step f32 ${F32_S:-180} env TG_DS4_PRECISION=f32 python3 -m pytest -q -s -p no:cacheprovider --durations=5 tests/test_reference.py \

@@ -233,6 +233,8 @@ def cmd_profile(args) -> int:
   if args.parallel not in BATCHES: raise UsageError(f"--parallel: one of {', '.join(map(str, BATCHES))} (the batch sizes the engine captures)")
   if args.parallel > 1 and args.prefill: raise UsageError("--prefill profiles one sequence's chunk: not with --parallel")
   path = resolve(args.model)
+  if args.checkout and not args.predict: raise UsageError("--checkout goes with --predict")
+  if args.predict: return _predict(args, path)
   try: model = Runner.load(_open(args), max_ctx=(127 if args.pos is None else args.pos) + 1, parallel=args.parallel,
                             numerics=args.numerics).model
   except ValueError as e: raise UsageError(str(e)) from None
@@ -246,6 +248,21 @@ def cmd_profile(args) -> int:
     for p in profile.write(res, pathlib.Path(args.out), pathlib.Path(path).stem, res.get("roofline", {}).get("read_gbps_one_core", 0.0)):
       print(f"wrote {p}", file=sys.stderr)
   print(json.dumps(res, indent=1) if args.json else profile.format_text(res))
+  return 0
+
+def _predict(args, path) -> int:
+  import pathlib
+
+  from tg_ds4.tools import gpu_cost
+  if args.checkout and not (pathlib.Path(args.checkout) / "tg_ds4" / "__main__.py").is_file():
+    raise UsageError(f"--checkout {args.checkout}: not a checkout of tg_ds4 (no tg_ds4/__main__.py there)")
+  _open(args)  # a file that cannot be loaded says so here, in one line
+  try: rec = gpu_cost.record(str(path), args.checkout, args.prefill, args.parallel, args.pos)
+  except RuntimeError as e: raise UsageError(str(e)) from None
+  res = {"model": args.model, "file": str(path), "checkout": args.checkout or "", **gpu_cost.predict(rec, gpu_cost.HARDWARE[args.predict], str(path))}
+  if args.out:
+    for p in gpu_cost.write(res, pathlib.Path(args.out), pathlib.Path(path).stem): print(f"wrote {p}", file=sys.stderr)
+  print(json.dumps(res, indent=1) if args.json else gpu_cost.format_text(res))
   return 0
 
 def cmd_serve(args) -> int:
@@ -391,8 +408,11 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--repeat", type=int, default=10, help="replays per kernel timing; the median is kept (default 10)")
   s.add_argument("--prefill", action="store_true", help="also profile one JIT prefill chunk")
   s.add_argument("--parallel", type=int, default=1, help="profile the batched decode step of N sequences (each its own slot and token)")
-  s.add_argument("--out", help="directory for decode.{csv,json,png} (and prefill.*)")
+  s.add_argument("--out", help="directory for decode.{csv,json,png} (and prefill.*; predict-*.* with --predict)")
   s.add_argument("--json", action="store_true")
+  s.add_argument("--predict", choices=["h200", "h100"], help="no timing: lower the steps for an NVIDIA GPU (any machine, no GPU needed) and "
+                 "predict each kernel's time and the step's tok/s with the GPU cost model (tools/gpu_cost.py, docs/gpu.md)")
+  s.add_argument("--checkout", help="with --predict: the steps of another checkout of this project (a git worktree), run by its own code")
   s.set_defaults(fn=cmd_profile)
   s = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server (one inference worker, streaming, prefix KV reuse)")
   s.add_argument("-m", "--model", default="smollm2", help="a .gguf file, a Hugging Face checkpoint folder or a short model name (default smollm2)")

@@ -15,12 +15,12 @@ import contextlib, functools, importlib.metadata, logging, os, sqlite3, threadin
 # graph and buffer internals, for every device
 from tinygrad.device import Buffer, BufferSpec, Compiler  # noqa: F401
 from tinygrad.dtype import DType, _from_np_dtype, _to_np_dtype  # noqa: F401
-from tinygrad.engine import realize  # noqa: F401  (profile times kernels through realize.track_stats)
+from tinygrad.engine import jit as tinygrad_jit, realize  # noqa: F401  (profile times kernels through realize.track_stats; tools/gpu_record.py)
 from tinygrad.engine.jit import CapturedJit, JitError, _copy_input, _TinyJit  # noqa: F401
 from tinygrad.function import function  # noqa: F401
 from tinygrad.renderer import Estimates  # noqa: F401
 from tinygrad.helpers import BEAM, DEBUG, NUM_CPU_THREADS, PARALLEL, PROFILE, ContextVar, GlobalCounters, perf_counter_us, prod, to_tuple  # noqa: F401
-from tinygrad.uop.ops import AxisType, KernelInfo, Ops, PatternMatcher, UOp, UPat, buffers, graph_rewrite, remove_all_tags, sym_infer  # noqa: F401
+from tinygrad.uop.ops import AxisType, GroupOp, KernelInfo, Ops, PatternMatcher, UOp, UPat, buffers, graph_rewrite, remove_all_tags, sym_infer  # noqa: F401
 
 # the CPU machinery's (backend/cpu), used only when internals_match()
 try:
@@ -40,7 +40,6 @@ try:
   from tinygrad.helpers import is_image_shape  # noqa: F401  (backend/emulator.py)
   from tinygrad.helpers import strip_parens  # noqa: F401  (backend/cpu/kernel_opts.py's float rendering)
   from tinygrad.runtime.ops_python import PythonProgram  # noqa: F401  (backend/emulator.py)
-  from tinygrad.uop.ops import GroupOp  # noqa: F401  (backend/emulator.py)
   _CPU_IMPORT_ERROR: str | None = None
 except (ImportError, AttributeError) as e:  # another release moved something
   _CPU_IMPORT_ERROR = str(e)

@@ -1,0 +1,93 @@
+"""The GPU cost model (tg_ds4/tools/gpu_cost.py, gpu_record.py): held to every GPU measurement in profiles/gpu/, and its
+inputs read off a real lowering for CUDA: the bytes each kernel moves are the footprint of its index expressions (a
+gathered expert's rows, not its whole tensor; vector loads counted), run by the code of the checkout it is pointed at."""
+import csv, json, os, pathlib, shutil, subprocess, sys
+
+import pytest
+
+from tg_ds4.io.gguf import open_gguf
+from tg_ds4.tools import gpu_cost
+
+ROOT = pathlib.Path(__file__).parents[1]
+MEASURED = sorted((ROOT / "profiles" / "gpu").glob("*.csv"))
+DS3 = ROOT / "tests" / "fixtures" / "deepseek2" / "ds3" / "ds3-Q4_0.gguf"
+POS = 40
+
+def test_there_are_measurements():
+  assert len(MEASURED) >= 4, MEASURED  # the H200 calibration of 0e65eba at least
+
+@pytest.mark.parametrize("path", MEASURED, ids=[p.stem for p in MEASURED])
+def test_the_model_holds_to_every_measurement(path):
+  """A step within 30% of the measured tok/s, each measured op class (kernels timed alone) within 2x."""
+  res = gpu_cost.check_measurement(path, gpu_cost.HARDWARE[path.name.split("-")[0]])
+  predicted, measured = res["step"]
+  tps = lambda us: f"{res['tokens'] / us * 1e6:.0f}"
+  assert 0.7 <= measured / predicted <= 1.3, f"{path.name}: predicted {tps(predicted)} tok/s, measured {tps(measured)}"
+  bad = {op: f"{p:.0f} us predicted, {m:.0f} measured" for op, (p, m) in res["classes"].items() if not 0.5 <= p / m <= 2}
+  assert not bad, f"{path.name}: {bad}"
+
+def run_predict(*extra, checkout=None, env=None):
+  cmd = [sys.executable, "-m", "tg_ds4", "profile", "--predict", "h200", "-m", str(DS3), "--pos", str(POS), "--json", *extra]
+  if checkout: cmd += ["--checkout", str(checkout)]
+  return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+
+@pytest.fixture(scope="module")
+def predicted():
+  r = run_predict()
+  assert r.returncode == 0, r.stderr[-3000:]
+  return json.loads(r.stdout)
+
+def test_weights_are_read_once_by_footprint(predicted):
+  """Every weight matrix the step reads is read once at its footprint: the head's whole matrix, a routed expert tensor's
+  chosen experts only (used / count of it); with the norm vectors that several fused kernels re-read, about the active
+  weights the file says a token needs."""
+  gf, d = open_gguf(DS3), predicted["decode"]
+  n, used = gf.metadata["deepseek2.expert_count"], gf.metadata["deepseek2.expert_used_count"]
+  reads: dict = {}
+  for k in d["kernels"]:
+    for name, b in k["reads"].items(): reads.setdefault(name, []).append(b)
+  matrices = {x: i.nbytes * used // n if "_exps" in x else i.nbytes for x, i in gf.infos.items() if len(i.shape) >= 2 and x != "token_embd.weight"}
+  assert "output.weight" in matrices and any("_exps" in x for x in matrices)
+  assert {x: reads.get(x) for x in matrices} == {x: [b] for x, b in matrices.items()}
+  weights = sum(b for name, bs in reads.items() if name in gf.infos for b in bs)
+  assert d["active_bytes"] <= weights <= 1.05 * d["active_bytes"]
+
+def test_the_cache_rows_are_read(predicted):
+  """The attention reads every cached row of every layer (POS + 1 rows of the latent and the rope key, in half): the
+  scores' vector loads count."""
+  m = open_gguf(DS3).metadata
+  row = (m["deepseek2.attention.kv_lora_rank"] + m["deepseek2.rope.dimension_count"]) * 2
+  once = m["deepseek2.block_count"] * (POS + 1) * row
+  assert once <= predicted["decode"]["kv_bytes"] <= 2 * once
+
+def test_the_prediction_adds_up(predicted):
+  d, hw = predicted["decode"], predicted["hardware"]
+  assert predicted["kernels"] == len(d["kernels"]) > 0
+  assert d["step_s"] == pytest.approx(sum(k["time_s"] for k in d["kernels"]) + hw["host_us"] * 1e-6)
+  assert predicted["predicted"]["decode_tps"] == pytest.approx(1 / d["step_s"])
+  for k in d["kernels"]:
+    assert k["time_s"] >= k["floor_s"] and k["time_s"] == pytest.approx(hw["launch_us"] * 1e-6 + k[f"{k['bound']}_s"])
+
+def test_another_checkout_runs_its_own_code(tmp_path):
+  """--checkout runs that checkout's code: a copy of the package that leaves a mark when it starts is the one run."""
+  shutil.copytree(ROOT / "tg_ds4", tmp_path / "tg_ds4", ignore=shutil.ignore_patterns("__pycache__"))
+  main = tmp_path / "tg_ds4" / "__main__.py"
+  main.write_text("import os, pathlib; pathlib.Path(os.environ['GPU_COST_MARK']).write_text('ran')\n" + main.read_text())
+  r = run_predict(checkout=tmp_path, env={"GPU_COST_MARK": str(tmp_path / "mark")})
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert (tmp_path / "mark").read_text() == "ran"
+  assert json.loads(r.stdout)["predicted"]["decode_tps"] > 0
+
+def test_a_folder_that_is_no_checkout_is_one_line(tmp_path):
+  r = run_predict(checkout=tmp_path)
+  assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "not a checkout" in r.stderr, r.stderr
+
+def test_measurement_files_are_read_as_written(tmp_path):
+  """A device run's CSV (gpu_measured.py device) round-trips: kernels timed one by one give their op classes."""
+  step = {"tokens": 1, "kernels": [{"block": "blk.0", "op": op, "name": f"k{i}", "global": [64, 1, 1], "local": [32, 1, 1],
+                                    "rounds": {"dram": 10, "l2": 1, "alu": 0}, "instructions": 100, "flops": 10, "tc_flops": 0,
+                                    "bytes": {"1:load": 1 << 20}} for i, op in enumerate(["norm", "experts", "experts"])]}
+  gpu_cost.write_measurement(p := tmp_path / "h100-x-test.csv", gpu_cost.measurement_rows(step, measured_us=[5.0, 7.0, 8.0], step_us=40.0))
+  assert [r["kind"] for r in csv.DictReader(open(p))] == ["kernel"] * 3 + ["step"]
+  res = gpu_cost.check_measurement(p, gpu_cost.H100)
+  assert res["classes"]["experts"][1] == 15.0 and res["classes"]["norm"][1] == 5.0 and res["step"][1] == 40.0

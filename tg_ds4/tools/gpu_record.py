@@ -1,0 +1,199 @@
+"""Records what a checkout of tg_ds4 launches when its steps are lowered for an NVIDIA GPU, without a GPU: run as a
+script, it runs that checkout's own `profile` command on tinygrad's NULL device with the CUDA renderer
+(`NULL:CUDA:sm_90`: scheduled, lowered and compiled by NVRTC, nothing executed) and writes, for every kernel launch
+of the profiled steps, what the GPU cost model needs: launch dimensions, the per-thread loop structure, the bytes each
+kernel reads and writes from its lowered index expressions, FLOPs, and which buffers are the model's weights.
+
+    python tg_ds4/tools/gpu_record.py OUT.json [CHECKOUT] -- profile -m FILE [--prefill] [--parallel N]
+
+This file runs beside whichever checkout is on sys.path (an older commit's included), so it imports no tg_ds4 module
+by name: tinygrad's internals come from this checkout's seam, backend/compat.py (which imports nothing of tg_ds4),
+loaded from its path. It hooks tinygrad's runtime lookup, its parameter resolution and the captured JIT's replay, and
+the checkout's profile module's `named_buffers`, which old and new checkouts have.
+
+Bytes are a footprint, not a count of load instructions: a load's distinct addresses are bounded by the product of
+the sizes of the loops and thread indices its index expression depends on (through loaded values too: a gathered
+expert's rows depend on the expert slot's range, not on the whole tensor), capped at the buffer's size. A value
+re-read by every thread (the GEMV's input vector) counts once, as the caches serve it."""
+from __future__ import annotations
+
+import os, sys
+
+if __name__ == "__main__":  # run as a script: its folder (tools/, with an inspect.py) must not shadow the standard library
+  sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import contextlib, importlib, importlib.metadata, importlib.util, io, json, math, pathlib, re, runpy  # noqa: E402
+
+UNROLLED = 16  # constant loop trips NVRTC unrolls fully (innermost loops only)
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+def nvrtc_path() -> None:
+  """tinygrad's CUDA compiler is NVRTC: NVIDIA's PyPI wheel (nvidia-cuda-nvrtc-cu12) holds it, found through
+  NVRTC_PATH (tinygrad's own override) when the loader does not."""
+  if os.environ.get("NVRTC_PATH"): return
+  if (spec := importlib.util.find_spec("nvidia.cuda_nvrtc")) is not None and spec.submodule_search_locations:
+    libs = sorted(pathlib.Path(next(iter(spec.submodule_search_locations)), "lib").glob("libnvrtc.so*"))
+    if libs: os.environ["NVRTC_PATH"] = str(min(libs, key=lambda p: len(p.name)))
+
+def seam():
+  """This checkout's backend/compat.py, loaded from its path under a name of its own."""
+  if (m := sys.modules.get("_gpu_record_compat")) is None:
+    spec = importlib.util.spec_from_file_location("_gpu_record_compat", pathlib.Path(__file__).resolve().parents[1] / "backend" / "compat.py")
+    m = sys.modules["_gpu_record_compat"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+  return m
+
+def features(prg, vals: tuple, weight_slots: frozenset, buf_bytes: dict) -> dict:
+  """The cost model's inputs for one launch of the PROGRAM `prg` with variable values `vals`: `weight_slots` are the
+  parameter slots bound to model weights (read from DRAM each step), `buf_bytes` each slot's buffer size."""
+  from tinygrad import dtypes
+  c = seam()
+  GroupOp, Ops, sym_infer = c.GroupOp, c.Ops, c.sym_infer
+  info, lin = prg.arg, prg.src[1].src
+  var_vals = {v.expr: x for v, x in zip(info.vars, vals) if x is not None}
+  def ev(x) -> int: return int(sym_infer(x, var_vals)) if not isinstance(x, int) else x
+  trip: dict = {}
+  for u in lin:
+    if u.op in (Ops.RANGE, Ops.SPECIAL): trip[u] = max(ev(u.src[0]), 1)
+  def param_of(idx):
+    b = idx.src[0]
+    while b.op is not Ops.PARAM and len(b.src): b = b.src[0]
+    return b if b.op is Ops.PARAM else None
+  # a loop of a few constant iterations with no loop inside is unrolled by the compiler (NVRTC at -O3): its loads are
+  # issued with its parent's, so it adds no round trips of its own
+  ends = {s: i for i, u in enumerate(lin) if u.op is Ops.END for s in u.src if s.op is Ops.RANGE}
+  unrolled = {u for i, u in enumerate(lin) if u.op is Ops.RANGE and u.src[0].vmin == u.src[0].vmax
+              and trip[u] <= UNROLLED and not any(v.op is Ops.RANGE for v in lin[i + 1:ends.get(u, i + 1)])}
+  # an instruction runs once per iteration of the loops it depends on, down to the innermost: the compiler hoists what
+  # an inner loop does not change (the row's scale, a norm's reciprocal) out of it
+  loops: dict = {}  # uop -> the RANGEs its value depends on
+  opened: list = []  # open RANGEs, outermost first (unrolled ones too)
+  rounds = {"dram": 0, "l2": 0, "alu": 0}  # per-thread loop iterations, by what the loop body waits on
+  body: dict = {}   # real loop -> the memory its body's loads come from ("dram" beats "l2" beats nothing)
+  footprint: dict = {}  # (slot, load|store) -> bytes
+  flops = tc_flops = barriers = insts = 0
+  straight = None   # what the code outside every loop (or hoisted out of them) loads
+  def depth(u) -> int: return max((i + 1 for i, r in enumerate(opened) if r in loops[u]), default=0)
+  def runs(u) -> int: return math.prod(trip[r] for r in opened[:depth(u)])
+  for u in lin:
+    loops[u] = set().union(*(loops.get(s, ()) for s in u.src)) | ({u} if u.op is Ops.RANGE else set())
+    if u.op is Ops.RANGE:
+      opened.append(u); body[u] = None
+      continue
+    if u.op is Ops.END:
+      if (r := next((s for s in u.src if s.op is Ops.RANGE), None)) is not None and r in opened:
+        if r not in unrolled: rounds[body[r] or "alu"] += math.prod(trip[o] for o in opened[:opened.index(r) + 1])
+        opened.remove(r)
+      continue
+    memory = u.op in (Ops.LOAD, Ops.STORE) and getattr(u.src[0], "addrspace", None) is not c.AddrSpace.REG
+    free_cast = u.op is Ops.CAST and dtypes.is_int(u.dtype) and dtypes.is_int(u.src[0].dtype) and u.dtype.itemsize == u.src[0].dtype.itemsize
+    if (u.op in GroupOp.ALU or u.op in (Ops.CAST, Ops.BITCAST, Ops.WMMA, Ops.BARRIER) or memory) and not free_cast:
+      insts += runs(u) * (ev(u.max_numel()) if u.op not in (Ops.STORE, Ops.BARRIER, Ops.WMMA) else 1)
+    if u.op is Ops.BARRIER: barriers += runs(u)
+    elif u.op is Ops.WMMA: tc_flops += 2 * math.prod(u.arg[0]) // u.arg[3] * runs(u)
+    elif u.op in GroupOp.ALU and dtypes.is_float(u.dtype): flops += runs(u) * ev(u.max_numel()) * (2 if u.op is Ops.MULACC else 1)
+    if u.op not in (Ops.LOAD, Ops.STORE): continue
+    idx = u.src[0].src[0] if u.src[0].op is Ops.CAST else u.src[0]
+    if idx.op not in (Ops.INDEX, Ops.SHRINK) or (p := param_of(idx)) is None: continue  # registers, shared memory (SHRINK: a vector)
+    slot = p.arg.slot
+    deps = [v for v in idx.src[1].toposort() if v.op in (Ops.RANGE, Ops.SPECIAL)] if len(idx.src) > 1 else []
+    v = u if u.op is Ops.LOAD else u.src[1]
+    size = ev(v.max_numel()) * v.dtype.itemsize
+    key = (slot, u.op.name.lower())
+    footprint[key] = min(footprint.get(key, 0) + math.prod(trip.get(d, 1) for d in deps) * size, buf_bytes.get(slot, 1 << 62))
+    if u.op is Ops.LOAD:  # it waits in the innermost real loop it depends on, or once before the loops
+      kind = "dram" if slot in weight_slots else "l2"
+      if (real := [r for r in opened[:depth(u)] if r not in unrolled]): body[real[-1]] = "dram" if "dram" in (kind, body[real[-1]]) else kind
+      else: straight = "dram" if "dram" in (kind, straight) else kind
+  rounds[straight or "l2"] += 1  # the code outside the loops: one round trip to memory at least
+  return {"rounds": rounds, "barriers": barriers, "instructions": insts, "flops": flops, "tc_flops": tc_flops,
+          "bytes": {f"{s}:{k}": b for (s, k), b in footprint.items()}}
+
+class Recorder:
+  """Hooks tinygrad's launches: every kernel the runtime is asked to run is recorded with its features, in segments
+  that each start where a captured JIT replays."""
+  def __init__(self):
+    self.segments: list[list[dict]] = [[]]
+    self.names: dict = {}     # Buffer -> tensor name (from the checkout's profile.named_buffers)
+    self._resolved: list = []
+    self._cache: dict = {}
+
+  def install(self) -> None:
+    jit, realize = seam().tinygrad_jit, seam().realize
+    rec = self
+    orig_runtime, orig_resolve, orig_call = realize.get_runtime, realize.resolve_params, jit.CapturedJit.__call__
+    def resolve_params(call, inputs):
+      rec._resolved = orig_resolve(call, inputs)
+      return rec._resolved
+    class Launch:
+      def __init__(self, rt, prg): self.rt, self.prg = rt, prg
+      def __call__(self, *bufs, global_size=(1, 1, 1), local_size=(1, 1, 1), vals=(), **kw):
+        rec.launch(self.prg, tuple(global_size), tuple(local_size or (1, 1, 1)), tuple(vals))
+        return self.rt(*bufs, global_size=global_size, local_size=local_size, vals=vals, **kw)
+    def get_runtime(device, ast, cache=True): return Launch(orig_runtime(device, ast, cache), ast)
+    def replay(self_jit, *a, **kw):
+      rec.segments.append([])
+      return orig_call(self_jit, *a, **kw)
+    realize.get_runtime, realize.resolve_params, jit.CapturedJit.__call__ = get_runtime, resolve_params, replay
+    # no graph batching: every kernel is launched (and recorded) on its own, as the profile's replays launch them
+    jit.graph_split_rewrite = lambda linear, max_batch_size=0: linear
+
+  def watch_names(self) -> None:
+    """Wrap the checkout's profile.named_buffers (tg_ds4.tools.profile, or tg_ds4.profile in older layouts) to learn
+    which buffers are weights and caches."""
+    for mod in ("tg_ds4.tools.profile", "tg_ds4.profile"):
+      try: m = importlib.import_module(mod)
+      except ImportError: continue
+      orig = m.named_buffers
+      def named_buffers(obj, _orig=orig):
+        self.names = _orig(obj)
+        return self.names
+      m.named_buffers = named_buffers
+      return
+
+  def _name(self, b) -> str | None: return self.names.get(b) or self.names.get(getattr(b, "_base", None))
+
+  def launch(self, prg, gs: tuple, ls: tuple, vals: tuple) -> None:
+    info = prg.arg
+    bufs = [getattr(self._resolved[g], "buffer", None) if g < len(self._resolved) else None for g in info.globals]
+    names = [self._name(b) if b is not None else None for b in bufs]
+    slots = list(info.globals)
+    weight = frozenset(s for s, n in zip(slots, names) if n and "cache" not in n)
+    nbytes = {s: b.nbytes for s, b in zip(slots, bufs) if b is not None}
+    key = (prg.key, vals, weight, tuple(sorted(nbytes.items())))
+    if (f := self._cache.get(key)) is None: f = self._cache[key] = features(prg, vals, weight, nbytes)
+    self.segments[-1].append({"name": ANSI.sub("", info.name), "global": list(gs), "local": list(ls), **f,
+                              "buffers": {str(s): n for s, n in zip(slots, names) if n}})
+
+def main(argv: list[str]) -> int:
+  if "--" not in argv or len(argv[:argv.index("--")]) not in (1, 2):
+    print(__doc__.splitlines()[6].strip(), file=sys.stderr); return 2
+  out, checkout = (argv[:argv.index("--")] + [None])[:2]
+  if checkout: sys.path.insert(0, str(pathlib.Path(checkout).resolve()))
+  nvrtc_path()
+  os.environ["NULL_ALLOW_COPYOUT"] = "1"  # the checkout reads tokens back: NULL gives it zeros
+  if not seam().internals_match():
+    print(f"gpu_record: written for tinygrad {seam().TINYGRAD}, found {importlib.metadata.version('tinygrad')}", file=sys.stderr); return 2
+  rec = Recorder(); rec.install(); rec.watch_names()
+  sys.argv = ["tg_ds4", *argv[argv.index("--") + 1:]]
+  stdout, code = io.StringIO(), 0
+  try:
+    with contextlib.redirect_stdout(stdout): runpy.run_module("tg_ds4", run_name="__main__")
+  except SystemExit as e: code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+  if code: print(stdout.getvalue(), file=sys.stderr); return code
+  text = stdout.getvalue()
+  profile = json.loads(text[text.index("{"):])
+  steps = {}
+  for step in ("decode", "prefill"):
+    if step not in profile: continue
+    # the profile lists the step's copies (a prompt chunk's token ids) too: they launch no kernel
+    timed = [p for p in profile[step]["kernels"] if not p["name"].startswith(("copy ", "enc/dec"))]
+    seg = next((s for s in reversed(rec.segments) if [k["name"] for k in s] == [p["name"] for p in timed]), None)
+    if seg is None: print(f"gpu_record: no replay of the {step} step matches its profile", file=sys.stderr); return 1
+    for k, p in zip(seg, timed): k.update(block=p["block"], op=p["op"], reads=p.get("reads", []))
+    steps[step] = {"position": profile[step]["position"], "tokens": profile[step]["tokens"], "kernels": seg}
+  pathlib.Path(out).write_text(json.dumps({"tinygrad": seam().TINYGRAD, "renderer": "CUDA sm_90", "steps": steps}))
+  return 0
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
