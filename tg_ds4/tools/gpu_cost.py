@@ -188,7 +188,7 @@ def write(res: dict, out_dir: pathlib.Path, title: str) -> list[pathlib.Path]:
 # that is known, and the step's measured time as `bench` replays it. profiles/gpu/*.csv hold them; tests/test_gpu_cost.py
 # holds the model to every one of them.
 MEASURED_FIELDS = ["kind", "index", "block", "op", "name", "tokens", "global", "local", "rounds_dram", "rounds_l2", "rounds_alu", "instructions",
-                   "flops", "tc_flops", "bytes", "measured_us"]
+                   "sectors", "flops", "tc_flops", "bytes", "measured_us"]
 
 def measurement_rows(step: dict, measured_us: list | None = None, classes_us: dict | None = None, step_us: float | None = None) -> list[dict]:
   """CSV rows for one recorded step (gpu_record's `steps[...]`): a row per kernel, a row per measured op class, one for the step."""
@@ -196,6 +196,7 @@ def measurement_rows(step: dict, measured_us: list | None = None, classes_us: di
   for i, k in enumerate(step["kernels"]):
     rows.append({"kind": "kernel", "index": i, "block": k["block"], "op": k["op"], "name": k["name"], "global": "x".join(map(str, k["global"])),
                  "local": "x".join(map(str, k["local"])), **{f"rounds_{a}": v for a, v in k["rounds"].items()}, "instructions": k["instructions"],
+                 "sectors": k.get("sectors", ""),
                  "flops": k["flops"], "tc_flops": k["tc_flops"], "bytes": sum(k["bytes"].values()),
                  "measured_us": "" if measured_us is None else f"{measured_us[i]:.2f}"})
   rows += [{"kind": "class", "op": op, "measured_us": f"{us:.1f}"} for op, us in (classes_us or {}).items()]

@@ -35,6 +35,16 @@ def nvrtc_path() -> None:
     libs = sorted(pathlib.Path(next(iter(spec.submodule_search_locations)), "lib").glob("libnvrtc.so*"))
     if libs: os.environ["NVRTC_PATH"] = str(min(libs, key=lambda p: len(p.name)))
 
+def _alu():
+  """Integer index arithmetic as Python evaluates it (the ops a lowered index expression is made of)."""
+  Ops = seam().Ops
+  return {Ops.ADD: lambda a, b: a + b, Ops.MUL: lambda a, b: a * b, Ops.CDIV: lambda a, b: int(a / b) if b else 0,
+          Ops.CMOD: lambda a, b: a - b * int(a / b) if b else 0, Ops.FLOORDIV: lambda a, b: a // b if b else 0,
+          Ops.FLOORMOD: lambda a, b: a % b if b else 0, Ops.SHL: lambda a, b: a << b, Ops.SHR: lambda a, b: a >> b,
+          Ops.AND: lambda a, b: a & b, Ops.OR: lambda a, b: a | b, Ops.XOR: lambda a, b: a ^ b, Ops.MAX: max, Ops.NEG: lambda a: -a,
+          Ops.CMPLT: lambda a, b: a < b, Ops.CMPNE: lambda a, b: a != b, Ops.CMPEQ: lambda a, b: a == b,
+          Ops.WHERE: lambda c, a, b: a if c else b, Ops.CAST: lambda a: int(a), Ops.SUB: lambda a, b: a - b}
+
 def seam():
   """This checkout's backend/compat.py, loaded from its path under a name of its own."""
   if (m := sys.modules.get("_gpu_record_compat")) is None:
@@ -71,8 +81,25 @@ def features(prg, vals: tuple, weight_slots: frozenset, buf_bytes: dict) -> dict
   rounds = {"dram": 0, "l2": 0, "alu": 0}  # per-thread loop iterations, by what the loop body waits on
   body: dict = {}   # real loop -> the memory its body's loads come from ("dram" beats "l2" beats nothing)
   footprint: dict = {}  # (slot, load|store) -> bytes
-  flops = tc_flops = barriers = insts = 0
+  flops = tc_flops = barriers = insts = transactions = 0  # transactions: 32-byte sectors a warp's accesses touch
   straight = None   # what the code outside every loop (or hoisted out of them) loads
+  ALU = _alu()
+  locals_ = sorted((u for u in lin if u.op is Ops.SPECIAL and u.arg.startswith("lidx")), key=lambda u: u.arg)
+  def sectors(index, item: int, nbytes: int) -> int:
+    """32-byte sectors one warp's load or store touches (its first warp, first iteration): a warp whose lanes read
+    addresses far apart takes a memory transaction per lane where adjacent lanes share one. Recorded beside each GPU
+    measurement (profiles/gpu/), not yet a bound of the model: no measurement has told its cost apart."""
+    order = list(index.toposort(lambda x: x.op is not Ops.LOAD))
+    fixed = {v: var_vals.get(v.expr, 0) for v in order if v.op is Ops.PARAM and v.addrspace is c.AddrSpace.ALU}
+    lanes, seen = min(32, math.prod(trip[u] for u in locals_)), set()
+    for t in range(lanes):
+      val, rest = dict(fixed), t
+      for u in locals_: val[u], rest = rest % trip[u], rest // trip[u]
+      for v in order:  # everything else at its first value: blocks, loop counters and loaded indices at 0
+        if v not in val: val[v] = v.arg if v.op is Ops.CONST else ALU[v.op](*(val.get(x, 0) for x in v.src)) if v.op in ALU else 0
+      a = int(val[index]) * item
+      seen.update(range(a // 32, (a + nbytes - 1) // 32 + 1))
+    return len(seen)
   def depth(u) -> int: return max((i + 1 for i, r in enumerate(opened) if r in loops[u]), default=0)
   def runs(u) -> int: return math.prod(trip[r] for r in opened[:depth(u)])
   for u in lin:
@@ -100,13 +127,14 @@ def features(prg, vals: tuple, weight_slots: frozenset, buf_bytes: dict) -> dict
     v = u if u.op is Ops.LOAD else u.src[1]
     size = ev(v.max_numel()) * v.dtype.itemsize
     key = (slot, u.op.name.lower())
+    if len(idx.src) > 1: transactions += runs(u) * sectors(idx.src[1], v.dtype.itemsize, size)
     footprint[key] = min(footprint.get(key, 0) + math.prod(trip.get(d, 1) for d in deps) * size, buf_bytes.get(slot, 1 << 62))
     if u.op is Ops.LOAD:  # it waits in the innermost real loop it depends on, or once before the loops
       kind = "dram" if slot in weight_slots else "l2"
       if (real := [r for r in opened[:depth(u)] if r not in unrolled]): body[real[-1]] = "dram" if "dram" in (kind, body[real[-1]]) else kind
       else: straight = "dram" if "dram" in (kind, straight) else kind
   rounds[straight or "l2"] += 1  # the code outside the loops: one round trip to memory at least
-  return {"rounds": rounds, "barriers": barriers, "instructions": insts, "flops": flops, "tc_flops": tc_flops,
+  return {"rounds": rounds, "barriers": barriers, "instructions": insts, "sectors": transactions, "flops": flops, "tc_flops": tc_flops,
           "bytes": {f"{s}:{k}": b for (s, k), b in footprint.items()}}
 
 class Recorder:
