@@ -429,6 +429,33 @@ def test_gpu_broadcast_streams_compute_their_gemv_once():
   want = np.stack([mix[k] * (a[0, 0] @ w.T) + sum(mix[4 + 4 * j + k] * x[0, 0, j] for j in range(4)) for k in range(4)])
   assert np.abs(make().numpy()[0, 0] - want).max() <= 1e-5 * np.abs(want).max()
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_gpu_wide_reductions_spread_over_a_workgroup_and_stay_exact(dtype):
+  """A norm's sum of squares over 4096 values (one output) and a float GEMV with few outputs (24 x 8192, the shape of
+  deepseek4's hyper-connection mixes) on a GPU renderer: up to 256 threads share each output's reduce (GROUPTOP), where
+  tinygrad's heuristic gives it 16 that each wait on 256-512 loads one after another; in float32 and with half inputs
+  (the GPU's matmul precision) the values equal numpy's sums of the same values."""
+  from tg_ds4.backend.gpu import kernel_opts as gpu
+  rng, dev, dt = np.random.default_rng(3), "PYTHON", getattr(dtypes, dtype)
+  x = rng.standard_normal((1, 1, 4096)).astype(np.float32)
+  w, v = rng.standard_normal((24, 8192)).astype(np.float32), rng.standard_normal((1, 1, 8192)).astype(np.float32)
+  make = lambda: ((Tensor(x, device=dev).cast(dt).float() ** 2).sum(-1),
+                  Tensor(v, device=dev).cast(dt).dot(Tensor(w, device=dev).cast(dt).T, dtype=dtypes.float32))  # as quant.linear accumulates
+  for t in make():
+    (k,) = [k for k in schedulers(t.contiguous(), Device[dev].renderer) if k.reduceop is not None]
+    chosen = gpu.wide_reduce(k)
+    assert chosen is not None and [(o.op, o.arg >= 128) for o in chosen.applied_opts] == [(OptOps.GROUPTOP, True)], chosen
+  xr, vr, wr = (a.astype(dtype).astype(np.float64) for a in (x, v, w))
+  (ss, gemv), want_ss, want_gemv = make(), (xr ** 2).sum(), vr[0, 0] @ wr.T
+  assert abs(float(ss.numpy().reshape(())) - want_ss) <= 1e-5 * want_ss
+  # the emulator's half products round (5e-4 of the largest output here, with or without these opts); a partial sum of
+  # the 256 lost or added twice moves an output by ~3%
+  tol = 1e-5 if dtype == "float32" else 2e-3
+  assert np.abs(gemv.numpy().reshape(24) - want_gemv).max() <= tol * np.abs(want_gemv).max()
+  short = (Tensor(x[..., :512], device=dev) ** 2).sum(-1).contiguous()
+  (few,) = [k for k in schedulers(short, Device[dev].renderer) if k.reduceop is not None]
+  assert gpu.wide_reduce(few) is None  # 512 values: tinygrad's 16 threads wait on 32 loads each
+
 def _random_blocks(name: str, rows: int, cols: int, rng) -> QTensor:
   """Random packed blocks with small finite fp16 scales (and minima) in the first bytes: any other bytes are valid."""
   qt = QTYPE_BY_NAME[name]

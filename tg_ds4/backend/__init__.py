@@ -59,6 +59,9 @@ class Capabilities:
   c_attention: tuple[int, int] | None  # (float lanes, vector registers) of the CPU's vector unit for MLA's and GQA's attention
                             # as our C kernel (nn/attention_kernel.py: scores, softmax and attn·v in one pass over the cache)
   widen_weights: bool       # dense weights in formats the CPU's code handles slowly re-encoded at load (models/widen.py)
+  dot_lanes: bool           # a dot product over a long axis sums lanes of partial sums first (quant/formats.py dot_lanes): the
+                            # CPU's vector accumulators. A GPU's threads are its lanes: the nested sum kept its kernel opts from
+                            # splitting the reduce over a workgroup (backend/gpu's wide_reduce), 16 threads walking 16384 values
 
 # the formats quant/intdot.py (and intdot_k.py) have kernels for
 INT_DOT_FORMATS = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "IQ2_XXS", "Q4_K", "Q6_K"})
@@ -77,7 +80,8 @@ def capabilities(device: str | None = None) -> Capabilities:
     expert_tiles=cpu_forms and on("TG_DS4_EXPERT_TILES"), rotated_q_stored=cpu_forms, norm_stored=cpu_forms, absorb_gemm=cpu_forms and opts,
     int_dot_formats=INT_DOT_FORMATS if int_dot else frozenset(), int_gemm=int_dot and on("TG_DS4_INT_GEMM"),
     int_dot_vnni=int_dot and _vnni_cpu() and on("TG_DS4_VNNI"), c_gemm=_cpu_gemm() if int_dot and opts and on("TG_DS4_C_GEMM") else None,
-    c_attention=_cpu_unit() if int_dot and opts and on("TG_DS4_C_ATTENTION") else None, widen_weights=on_cpu(device) and on("TG_DS4_WIDEN"))
+    c_attention=_cpu_unit() if int_dot and opts and on("TG_DS4_C_ATTENTION") else None, widen_weights=on_cpu(device) and on("TG_DS4_WIDEN"),
+    dot_lanes=cpu_forms or not opts)
 
 def _cpu_gemm() -> tuple[int, int]:
   from tg_ds4.backend.cpu.kernel_opts import CPU  # as _cpu_panel

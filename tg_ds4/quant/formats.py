@@ -562,8 +562,9 @@ def panel_gemm(x: Tensor, w: Tensor, n: int, bias: Weight | None = None) -> Tens
 def dot_lanes(q: Tensor, k: Tensor, lanes: int = LANES) -> Tensor:
   """`q @ k.T` over the last axis. For a few query rows (decode) as `linear`'s GEMV: per output, `lanes` partial sums
   (position i into lane i % lanes), then their sum; the plain form is one chain of dependent adds per score, each
-  waiting on the one before (576 of them for V2-Lite's latent scores)."""
+  waiting on the one before (576 of them for V2-Lite's latent scores). Where the device's lanes are threads (a GPU
+  renderer: Capabilities.dot_lanes), the plain form."""
   n = q.shape[-1]
-  if n % lanes: return q.matmul(k.transpose(-1, -2), dtype=dtypes.float32)
+  if n % lanes or not settings.current(q.device).caps.dot_lanes: return q.matmul(k.transpose(-1, -2), dtype=dtypes.float32)
   p = q.unsqueeze(-2) * k.unsqueeze(-3)                                                  # [..., T, S, n]
   return p.reshape(*p.shape[:-1], n // lanes, lanes).sum(-2, dtype=dtypes.float32).sum(-1)

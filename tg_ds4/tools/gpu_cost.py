@@ -33,6 +33,7 @@ class Hardware:
   launch_us: float          # a kernel node inside a CUDA graph, end to end (~2-3 us at this size, ../shared/docs/gpu_notes.md)
   launch_alone_us: float    # a kernel launched and timed by itself, as `profile` times them (fitted: H200 profile, 95 kernels)
   round_ns: float           # one dependent round trip to memory that a thread waits for, under load (fitted: H200)
+  smem_round_ns: float      # a loop iteration that waits on shared memory (~30 cycles: Hopper microbenchmarks)
   alu_round_ns: float       # a loop iteration that waits on no memory: a few dependent ALU ops (~4 cycles each)
   issue_fraction: float     # of the SMs' issue rate (4 schedulers x 32 lanes a clock) that tinygrad's kernels reach (fitted)
   fp32_tflops: float        # CUDA cores (dense FP32)
@@ -46,7 +47,7 @@ class Hardware:
 # The fitted constants (round_ns, issue_fraction, launch_alone_us, host_us) come from the H200 measurements of the
 # code at 0e65eba (docs/gpu.md "The cost model"); the H100 shares them but for its clock-independent memory system
 H200 = Hardware("NVIDIA H200", sms=132, clock_ghz=1.98, hbm_gbps=4800, bw_fraction=0.9, launch_us=2.5, launch_alone_us=8.0,
-                round_ns=100.0, alu_round_ns=4.0, issue_fraction=0.85, fp32_tflops=67, tc_tflops=990, host_us=400.0)
+                round_ns=100.0, smem_round_ns=15.0, alu_round_ns=4.0, issue_fraction=0.85, fp32_tflops=67, tc_tflops=990, host_us=400.0)
 H100 = replace(H200, name="NVIDIA H100 SXM", hbm_gbps=3350)
 HARDWARE = {"h200": H200, "h100": H100}
 
@@ -60,7 +61,7 @@ def kernel_time(k: dict, hw: Hardware, alone: bool = False) -> dict:
   waves = max(1.0, blocks / (hw.sms * per_sm))
   r = k["rounds"]
   moved = sum(k["bytes"].values())
-  bounds = {"latency": waves * ((r["dram"] + r["l2"]) * hw.round_ns + r["alu"] * hw.alu_round_ns) * 1e-9,
+  bounds = {"latency": waves * ((r["dram"] + r["l2"]) * hw.round_ns + r.get("smem", 0) * hw.smem_round_ns + r["alu"] * hw.alu_round_ns) * 1e-9,
             "memory": moved / (hw.hbm_gbps * 1e9 * hw.bw_fraction),
             "issue": k["instructions"] * blocks * warps * 32 / hw.issue_per_s(),
             "compute": k["flops"] * threads(k) / (hw.fp32_tflops * 1e12) + k["tc_flops"] * threads(k) / (hw.tc_tflops * 1e12)}
@@ -151,11 +152,11 @@ def format_text(res: dict, top: int = 12) -> str:
     for op, v in sorted(r["by_op"].items(), key=lambda kv: -kv[1]["time_s"]):
       lines.append(f"  {op:<14} {v['time_s'] * 1e6:9.1f} us {100 * v['time_s'] / r['kernel_time_s']:5.1f}%  {v['kernels']:4d} kernels  "
                    f"{v['bytes'] / 1e6:9.2f} MB  {v['bytes'] / max(v['time_s'], 1e-12) / 1e9:7.1f} GB/s  (alone {v['alone_s'] * 1e6:8.1f} us)")
-    lines.append("  slowest kernels (predicted us, bound, floor us, threads, round trips dram/l2/alu, MB):")
+    lines.append("  slowest kernels (predicted us, bound, floor us, threads, round trips dram/l2/smem/alu, MB):")
     for k in sorted(r["kernels"], key=lambda k: -k["time_s"])[:top]:
       rt = k["rounds"]
       lines.append(f"    {k['block']:<8} {k['op']:<14} {k['time_s'] * 1e6:8.1f} {k['bound']:<8} {k['floor_s'] * 1e6:7.1f} {k['threads']:>8} "
-                   f"{rt['dram']:>4}/{rt['l2']}/{rt['alu']:<4} {k['bytes'] / 1e6:8.3f}  {k['name']}")
+                   f"{rt['dram']:>4}/{rt['l2']}/{rt.get('smem', 0)}/{rt['alu']:<4} {k['bytes'] / 1e6:8.3f}  {k['name']}")
   return "\n".join(lines)
 
 CSV_FIELDS = ["index", "block", "op", "name", "threads", "blocks", "instructions", "bytes", "flops", "tc_flops", "bound", "time_s", "floor_s",
@@ -170,7 +171,7 @@ def write(res: dict, out_dir: pathlib.Path, title: str) -> list[pathlib.Path]:
     if step not in res: continue
     r = res[step]
     with open(p := out_dir / f"predict-{step}.csv", "w", newline="") as f:
-      w = csv.DictWriter(f, CSV_FIELDS + ["rounds_dram", "rounds_l2", "rounds_alu"], extrasaction="ignore")
+      w = csv.DictWriter(f, CSV_FIELDS + ["rounds_dram", "rounds_l2", "rounds_smem", "rounds_alu"], extrasaction="ignore")
       w.writeheader()
       for k in r["kernels"]: w.writerow({**k, **{f"rounds_{a}": v for a, v in k["rounds"].items()}})
     written.append(p)
@@ -187,8 +188,8 @@ def write(res: dict, out_dir: pathlib.Path, title: str) -> list[pathlib.Path]:
 # measured times where a GPU timed them one by one (`profile`), the measured time of ops summed over a step where only
 # that is known, and the step's measured time as `bench` replays it. profiles/gpu/*.csv hold them; tests/test_gpu_cost.py
 # holds the model to every one of them.
-MEASURED_FIELDS = ["kind", "index", "block", "op", "name", "tokens", "global", "local", "rounds_dram", "rounds_l2", "rounds_alu", "instructions",
-                   "sectors", "flops", "tc_flops", "bytes", "measured_us"]
+MEASURED_FIELDS = ["kind", "index", "block", "op", "name", "tokens", "global", "local", "rounds_dram", "rounds_l2", "rounds_smem", "rounds_alu",
+                   "instructions", "sectors", "flops", "tc_flops", "bytes", "measured_us"]
 
 def measurement_rows(step: dict, measured_us: list | None = None, classes_us: dict | None = None, step_us: float | None = None) -> list[dict]:
   """CSV rows for one recorded step (gpu_record's `steps[...]`): a row per kernel, a row per measured op class, one for the step."""
@@ -212,7 +213,8 @@ def check_measurement(path: pathlib.Path, hw: Hardware) -> dict:
   """{"step": (predicted us, measured us) or None, "classes": {op: (predicted alone us, measured us)}} for one measurement CSV."""
   rows = list(csv.DictReader(open(path)))
   kernels = [{"op": r["op"], "global": [int(x) for x in r["global"].split("x")], "local": [int(x) for x in r["local"].split("x")],
-              "rounds": {a: int(r[f"rounds_{a}"]) for a in ("dram", "l2", "alu")}, "instructions": int(r["instructions"]), "flops": int(r["flops"]),
+              "rounds": {a: int(r[f"rounds_{a}"] or 0) for a in ("dram", "l2", "smem", "alu")}, "instructions": int(r["instructions"]),
+              "flops": int(r["flops"]),
               "tc_flops": int(r["tc_flops"]), "bytes": {"all": int(r["bytes"])}, "measured_us": r["measured_us"]}
              for r in rows if r["kind"] == "kernel"]
   def alone_us(ops: str) -> tuple[float, float | None]:  # an op, ops joined by "|", or "*" for every kernel

@@ -78,11 +78,17 @@ def features(prg, vals: tuple, weight_slots: frozenset, buf_bytes: dict) -> dict
   # an inner loop does not change (the row's scale, a norm's reciprocal) out of it
   loops: dict = {}  # uop -> the RANGEs its value depends on
   opened: list = []  # open RANGEs, outermost first (unrolled ones too)
-  rounds = {"dram": 0, "l2": 0, "alu": 0}  # per-thread loop iterations, by what the loop body waits on
+  rounds = {"dram": 0, "l2": 0, "smem": 0, "alu": 0}  # per-thread loop iterations, by what the loop body waits on
+  RANK = {None: 0, "alu": 0, "smem": 1, "l2": 2, "dram": 3}  # a body waits on the slowest memory it loads from
   body: dict = {}   # real loop -> the memory its body's loads come from ("dram" beats "l2" beats nothing)
   footprint: dict = {}  # (slot, load|store) -> bytes
   flops = tc_flops = barriers = insts = transactions = 0  # transactions: 32-byte sectors a warp's accesses touch
-  straight = None   # what the code outside every loop (or hoisted out of them) loads
+  straight = [None]  # what the code outside every loop (or hoisted out of them) loads
+  def wait(u, kind: str) -> None:
+    """A load makes the innermost real loop it depends on wait (or the code before the loops)."""
+    real = [r for r in opened[:depth(u)] if r not in unrolled]
+    if real: body[real[-1]] = max(body[real[-1]], kind, key=RANK.get)
+    else: straight[0] = max(straight[0], kind, key=RANK.get)
   ALU = _alu()
   locals_ = sorted((u for u in lin if u.op is Ops.SPECIAL and u.arg.startswith("lidx")), key=lambda u: u.arg)
   def sectors(index, item: int, nbytes: int) -> int:
@@ -121,6 +127,7 @@ def features(prg, vals: tuple, weight_slots: frozenset, buf_bytes: dict) -> dict
     elif u.op in GroupOp.ALU and dtypes.is_float(u.dtype): flops += runs(u) * ev(u.max_numel()) * (2 if u.op is Ops.MULACC else 1)
     if u.op not in (Ops.LOAD, Ops.STORE): continue
     idx = u.src[0].src[0] if u.src[0].op is Ops.CAST else u.src[0]
+    if u.op is Ops.LOAD and getattr(u.src[0], "addrspace", None) is c.AddrSpace.LOCAL: wait(u, "smem")
     if idx.op not in (Ops.INDEX, Ops.SHRINK) or (p := param_of(idx)) is None: continue  # registers, shared memory (SHRINK: a vector)
     slot = p.arg.slot
     deps = [v for v in idx.src[1].toposort() if v.op in (Ops.RANGE, Ops.SPECIAL)] if len(idx.src) > 1 else []
@@ -129,11 +136,8 @@ def features(prg, vals: tuple, weight_slots: frozenset, buf_bytes: dict) -> dict
     key = (slot, u.op.name.lower())
     if len(idx.src) > 1: transactions += runs(u) * sectors(idx.src[1], v.dtype.itemsize, size)
     footprint[key] = min(footprint.get(key, 0) + math.prod(trip.get(d, 1) for d in deps) * size, buf_bytes.get(slot, 1 << 62))
-    if u.op is Ops.LOAD:  # it waits in the innermost real loop it depends on, or once before the loops
-      kind = "dram" if slot in weight_slots else "l2"
-      if (real := [r for r in opened[:depth(u)] if r not in unrolled]): body[real[-1]] = "dram" if "dram" in (kind, body[real[-1]]) else kind
-      else: straight = "dram" if "dram" in (kind, straight) else kind
-  rounds[straight or "l2"] += 1  # the code outside the loops: one round trip to memory at least
+    if u.op is Ops.LOAD: wait(u, "dram" if slot in weight_slots else "l2")
+  rounds[straight[0] if straight[0] in ("dram", "l2") else "l2"] += 1  # the code outside the loops: one round trip to memory at least
   return {"rounds": rounds, "barriers": barriers, "instructions": insts, "sectors": transactions, "flops": flops, "tc_flops": tc_flops,
           "bytes": {f"{s}:{k}": b for (s, k), b in footprint.items()}}
 

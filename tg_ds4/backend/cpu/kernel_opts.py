@@ -241,7 +241,7 @@ def cpu_heuristic(k: Scheduler) -> Scheduler:
   try:
     if not getattr(k.ren, "has_threads", False):
       k = gpu_kernel_opts.broadcast_rows(k)
-      return gpu_kernel_opts.packed_gemv(k.copy()) or _hand_coded(k)
+      return gpu_kernel_opts.packed_gemv(k.copy()) or gpu_kernel_opts.wide_reduce(k.copy()) or _hand_coded(k)
     return rules(k.copy())
   except Exception as e:  # noqa: BLE001
     _warn_once(f"kernel_opts: {type(e).__name__}: {e} on a kernel of shape {tuple(k.full_shape)}; tinygrad's heuristic used for it")

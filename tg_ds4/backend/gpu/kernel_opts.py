@@ -15,6 +15,11 @@ buffer is packed bytes, or a batched step's GEMV, whose token axis (at most `ROW
 unpacks a weight byte once for every row (left to tinygrad, each thread walked whole rows as above). Everything else
 keeps tinygrad's choices. (Measured on an H200: README, GPU.)
 
+A reduction with few outputs over a long axis (a norm's sum of squares, deepseek4's hyper-connection mixes over 4
+streams x 4096 values, a router's logits) is given up to `REDUCE_THREADS` threads per output (`wide_reduce`): tinygrad
+gives it 16, each then waiting on its 1/16 of the row one load at a time (a 2048-wide norm: 128 dependent loads on 16
+threads, 10-20 us on an H200 where a launch takes 2-3).
+
 One more rule for every reducing kernel on these renderers (`broadcast_rows`): a small output axis that no reduction
 reads (deepseek4's hyper-connection streams, each the same GEMV's output plus its own mix of the old streams) is
 upcast before anything else, so each thread computes the reduction once for all of the axis. Left a launch axis, each
@@ -25,6 +30,8 @@ from tg_ds4.backend.compat import AxisType, KernelOptError, Ops, Opt, OptOps, Sc
 
 THREADS, WORKGROUP = 32, 128  # threads per row at most (the grouped axis must divide by it), threads per workgroup
 BROADCAST = 8                 # a broadcast output axis (or several) at most this long is upcast whole (`broadcast_rows`)
+REDUCE_THREADS = 256          # threads sharing one output of a wide reduction (`wide_reduce`)
+WIDE = 1024                   # a reduction this long or longer, with few outputs, is a wide one
 ROWS = 8                      # a token axis this long is a batched step's rows (runtime/runner.py's BATCHES); longer, a prefill chunk
 NESTED = (AxisType.REDUCE, AxisType.UNROLL, AxisType.GROUP_REDUCE)
 
@@ -33,7 +40,7 @@ def weight_operand(k: Scheduler):  # the operand that streams from memory: the l
 
 def _divisor(n: int, most: int) -> int:
   """The largest power of two <= most dividing n, else n's largest divisor <= most."""
-  return next((d for d in (32, 16, 8, 4, 2) if d <= most and n % d == 0), None) or max(d for d in range(1, most + 1) if n % d == 0)
+  return next((d for d in (256, 128, 64, 32, 16, 8, 4, 2) if d <= most and n % d == 0), None) or max(d for d in range(1, most + 1) if n % d == 0)
 
 def broadcast_rows(k: Scheduler) -> Scheduler:
   """`k` with its small output axes that no reduction reads upcast (see the module docstring); `k` itself when there are
@@ -82,3 +89,23 @@ def packed_gemv(k: Scheduler) -> Scheduler | None:
     if (l := _divisor(alt.full_shape[rows], max(1, WORKGROUP // g))) > 1: alt.apply_opt(Opt(OptOps.LOCAL, rows, l))
   except KernelOptError: return None
   return alt
+
+def wide_reduce(k: Scheduler) -> Scheduler | None:
+  """The opts for a reduction with few outputs over a long axis (see the module docstring): a reduce axis split over
+  up to REDUCE_THREADS threads (GROUPTOP; the first that tinygrad can group, the one a nested reduction does not sit
+  in), its partial sums then added up by one thread from shared memory; None for any other kernel (then tinygrad's
+  heuristic)."""
+  ren = k.ren
+  if getattr(ren, "has_threads", False) or not ren.has_local or not ren.has_shared or k.reduceop is None: return None
+  if not all(isinstance(s, int) for s in k.full_shape): return None
+  red = k.axes_of(AxisType.REDUCE)
+  if not red or prod(k.full_shape[a] for a in k.axes_of(AxisType.GLOBAL)) > 2048 or prod(k.full_shape[a] for a in red) < WIDE: return None
+  for i, a in enumerate(red):
+    # threads per output: the loads each thread waits on (length / g) against the partials one thread adds up (g)
+    g = _divisor(k.full_shape[a], REDUCE_THREADS if prod(k.full_shape[r] for r in red) > 4096 else REDUCE_THREADS // 2)
+    if g < 32: continue
+    alt = k.copy()
+    try: alt.apply_opt(Opt(OptOps.GROUPTOP, i, g))
+    except KernelOptError: continue
+    return alt
+  return None
