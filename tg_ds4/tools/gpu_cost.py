@@ -51,6 +51,13 @@ H200 = Hardware("NVIDIA H200", sms=132, clock_ghz=1.98, hbm_gbps=4800, bw_fracti
 H100 = replace(H200, name="NVIDIA H100 SXM", hbm_gbps=3350)
 HARDWARE = {"h200": H200, "h100": H100}
 
+def is_weight(name: str) -> bool: return name.endswith((".weight", ".bias"))  # GGUF tensor names (module attributes)
+
+def is_state(name: str) -> bool:
+  """A named buffer that is per-sequence state a step reads back: KV caches, deepseek4's rings and compressor state
+  (not a weight, not a rope table)."""
+  return bool(name) and not is_weight(name) and not name.startswith(("rope", "tabs"))
+
 def threads(k: dict) -> int: return math.prod(k["global"]) * math.prod(k["local"])
 
 def kernel_time(k: dict, hw: Hardware, alone: bool = False) -> dict:
@@ -114,8 +121,8 @@ def predict(rec: dict, hw: Hardware, model: str) -> dict:
                       "rounds": k["rounds"], "instructions": k["instructions"], "flops": k["flops"] * threads(k),
                       "tc_flops": k["tc_flops"] * threads(k), **p, "alone_s": alone["time_s"],
                       "reads": {n: b for key, b in k["bytes"].items() if key.endswith("load") and (n := named(k, key))},
-                      "weight_bytes": sum(b for key, b in k["bytes"].items() if (n := named(k, key)) and "cache" not in n),
-                      "cache_bytes": sum(b for key, b in k["bytes"].items() if "cache" in named(k, key) and key.endswith("load"))})
+                      "weight_bytes": sum(b for key, b in k["bytes"].items() if is_weight(named(k, key))),
+                      "cache_bytes": sum(b for key, b in k["bytes"].items() if is_state(named(k, key)) and key.endswith("load"))})
     rows = s["tokens"]
     step_s = sum(k["time_s"] for k in kernels) + hw.host_us * 1e-6
     by_op: dict = {}

@@ -190,7 +190,7 @@ class Recorder:
     bufs = [getattr(self._resolved[g], "buffer", None) if g < len(self._resolved) else None for g in info.globals]
     names = [self._name(b) if b is not None else None for b in bufs]
     slots = list(info.globals)
-    weight = frozenset(s for s, n in zip(slots, names) if n and "cache" not in n)
+    weight = frozenset(s for s, n in zip(slots, names) if n and n.endswith((".weight", ".bias")))  # GGUF tensor names
     nbytes = {s: b.nbytes for s, b in zip(slots, bufs) if b is not None}
     key = (prg.key, vals, weight, tuple(sorted(nbytes.items())))
     if (f := self._cache.get(key)) is None: f = self._cache[key] = features(prg, vals, weight, nbytes)
