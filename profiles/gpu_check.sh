@@ -10,6 +10,9 @@
 #   5. (STEPS=...parallel...) bench --parallel 4 of the V2-Lite-shaped file: 4 sequences a step where decode reads memory.
 #   6. (STEPS=...speculative...) bench --speculative 4 of the V2-Lite-shaped file drafting for itself (every draft
 #      accepted: speculation's ceiling against plain decode, where a 5-row verify step should cost about one step).
+#   8. (STEPS=...llama...) llama.cpp built from its source (LLAMA_SRC: .gpu/llama.cpp-src.tar.xz, carried beside the tree, or
+#      ../shared/gpu/) in the background while the steps above run, then llama-bench (pp128, pp512, tg64, tg at depth
+#      16k) and llama-batched-bench (1 and 4 streams) on the same files, and one table of both engines (gpu_measured.py table).
 #   7. (STEPS=...predict..., with v2lite/v4) each kernel's time measured here beside the GPU cost model's prediction
 #      (tools/gpu_cost.py): $OUT/gpu/<gpu>-<commit>-<file>.csv, to be copied into profiles/gpu/ and committed, where
 #      tests/test_gpu_cost.py holds the model to it.
@@ -44,6 +47,14 @@ DEV=$GPU python3 -c "from tinygrad import Tensor, Device; print(Device.DEFAULT, 
 echo "device $GPU" | tee -a "$OUT/summary"
 FLOAT32=${F32_K:-_transformers}
 STEPS=${STEPS:-jobs v2lite stock f32 predict}
+LLAMA=/tmp/lc/llama.cpp/build/bin
+if on llama; then  # the build takes the cores (~6.5 minutes on 16): started first, waited for at the end
+  LLAMA_SRC=${LLAMA_SRC:-$(ls .gpu/llama.cpp-src.tar.xz ../shared/gpu/llama.cpp-src.tar.xz 2>/dev/null | head -1)}
+  ( mkdir -p /tmp/lc && tar xJf "$LLAMA_SRC" -C /tmp/lc && cd /tmp/lc/llama.cpp && cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+      -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_OPENSSL=OFF \
+      && cmake --build build -j 13 --target llama-bench llama-batched-bench ) >"$OUT/llama_build.log" 2>&1 &
+  BUILD_PID=$!
+fi
 KIND=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]00' | tr 'H' 'h'); KIND=${KIND:-h200}
 COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo worktree)
 measure() {  # measure NAME FILE PARALLEL: profile and bench on the GPU, then the CSV of both beside the prediction
@@ -69,6 +80,10 @@ if on v2lite; then
   step bench ${BENCH_S:-120} python3 -m tg_ds4 bench -m "$BENCH" --prompt-tokens 128 --gen 64 --repeat 2
   on parallel && step bench_parallel ${PARALLEL_S:-180} python3 -m tg_ds4 bench -m "$BENCH" --prompt-tokens 32 --gen 32 --repeat 2 --parallel 4
   on predict && measure "$(basename "$BENCH" .gguf)" "$BENCH" 1
+  if on llama; then  # what llama-bench measures beside: a 512-token prompt, decode at depth 16k
+    step bench_512 ${BENCH_S:-120} sh -c "python3 -m tg_ds4 bench -m '$BENCH' --prompt-tokens 512 --gen 32 --repeat 2 --json > '$OUT/bench-512-v2lite-4L-Q4_0.json'"
+    step bench_depth ${BENCH_S:-120} sh -c "python3 -m tg_ds4 bench -m '$BENCH' --prompt-tokens 16384 --gen 32 --repeat 1 --json > '$OUT/bench-depth-v2lite-4L-Q4_0.json'"
+  fi
   on predict && on parallel && measure "$(basename "$BENCH" .gguf)-p4" "$BENCH" 4
   on speculative && step bench_speculative ${SPECULATIVE_S:-150} python3 -m tg_ds4 bench -m "$BENCH" --prompt-tokens 32 --gen 64 --repeat 2 \
     --speculative 4 --draft "$BENCH"
@@ -83,4 +98,17 @@ fi
 export TG_DS4_TEST_DEV=$GPU
 on f32 && step f32 ${F32_S:-180} env TG_DS4_PRECISION=f32 python3 -m pytest -q -s -p no:cacheprovider --durations=5 tests/test_reference.py \
   tests/test_ds4.py tests/test_gpt2.py -k "$FLOAT32"
+if on llama; then
+  left=$((DEADLINE - SECONDS)); waited=0
+  while kill -0 "$BUILD_PID" 2>/dev/null && [ $waited -lt $((left - 60)) ]; do sleep 5; waited=$((waited + 5)); done
+  if [ -x "$LLAMA/llama-bench" ]; then
+    for f in "$BENCHES"/v2lite-4L-Q4_0.gguf "$BENCHES"/v4flash-4L-q2.gguf; do
+      [ -f "$f" ] || continue; name=$(basename "$f" .gguf)
+      step "llama_bench_$name" ${LLAMA_S:-120} sh -c "'$LLAMA/llama-bench' -m '$f' -ngl 99 -p 128,512 -n 64 -r 3 -o json > '$OUT/llama-$name.json'"
+      step "llama_depth_$name" ${LLAMA_S:-120} sh -c "'$LLAMA/llama-bench' -m '$f' -ngl 99 -p 0 -n 32 -d 16384 -r 1 -o json > '$OUT/llama-depth-$name.json'"
+      step "llama_batched_$name" ${LLAMA_S:-120} "$LLAMA/llama-batched-bench" -m "$f" -ngl 99 -c 4096 -npp 32 -ntg 32 -npl 1,4
+    done
+    python3 profiles/gpu_measured.py table "$OUT" | tee -a "$OUT/summary"
+  else echo "llama.cpp not built in time: $OUT/llama_build.log" | tee -a "$OUT/summary"; fi
+fi
 cat "$OUT/summary"

@@ -7,6 +7,8 @@ its time; rows for op classes measured as a sum; a row for the step as `bench` r
     python profiles/gpu_measured.py device --gpu h200 --model FILE --profile MEASURED.json --bench BENCH.json [--parallel N] --out CSV
         a run on a GPU (profiles/gpu_check.sh): `profile --json` timed there and `bench --json`'s decode, beside the
         kernels this checkout lowers for CUDA
+    python profiles/gpu_measured.py table OUT
+        one table of gpu_check.sh's `bench --json` results beside llama.cpp's llama-bench (`-o json`) on the same files
 
 The bench files are profiles/make_bench_model.py's (v2lite, v2lite --layers 27, v4flash), made where this runs."""
 from __future__ import annotations
@@ -60,6 +62,28 @@ def device(args) -> None:
   gpu_cost.write_measurement(pathlib.Path(args.out), rows)
   print(f"wrote {args.out}")
 
+def _llama(path: pathlib.Path) -> dict:
+  """llama-bench's -o json records as {(prompt, gen, depth): tok/s}."""
+  if not path.exists(): return {}
+  return {(r.get("n_prompt", 0), r.get("n_gen", 0), r.get("n_depth", 0)): r["avg_ts"] for r in json.loads(path.read_text())}
+
+def table(out: pathlib.Path) -> str:
+  rows = ["| file | what | tg_ds4 tok/s | llama.cpp tok/s | ratio |", "| --- | --- | --- | --- | --- |"]
+  def row(name: str, what: str, ours: float | None, theirs: float | None):
+    num = lambda v: f"{v:,.0f}" if v else ""
+    rows.append(f"| {name} | {what} | {num(ours)} | {num(theirs)} | {f'{ours / theirs:.2f}x' if ours and theirs else ''} |")
+  load = lambda p: json.loads(p.read_text()) if p.exists() and p.stat().st_size else None
+  for name in ("v2lite-4L-Q4_0", "v4flash-4L-q2"):
+    lc, depth = _llama(out / f"llama-{name}.json"), _llama(out / f"llama-depth-{name}.json")
+    b, b512, bd, bp = (load(out / f"{p}{name}{s}.json") for p, s in (("bench-", ""), ("bench-512-", ""), ("bench-depth-", ""), ("bench-", "-p4")))
+    if not (b or lc): continue
+    row(name, "prefill 128", b and b["tg_ds4"]["prefill_tps"], lc.get((128, 0, 0)))
+    row(name, "prefill 512", b512 and b512["tg_ds4"]["prefill_tps"], lc.get((512, 0, 0)))
+    row(name, "decode", b and b["tg_ds4"]["decode_tps"], lc.get((0, 64, 0)))
+    row(name, "decode at depth 16k", bd and bd["tg_ds4"]["decode_tps"], depth.get((0, 32, 16384)))
+    row(name, "4 streams (llama-batched-bench: its log)", bp and bp["parallel"]["aggregate_decode_tps"], None)
+  return "\n".join(rows)
+
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   sub = ap.add_subparsers(dest="cmd", required=True)
@@ -73,7 +97,12 @@ def main() -> int:
   d.add_argument("--bench", required=True, help="`bench --json` of the same file on the GPU")
   d.add_argument("--parallel", type=int, default=1)
   d.add_argument("--out", required=True)
+  t = sub.add_parser("table")
+  t.add_argument("out", help="gpu_check.sh's output folder")
   args = ap.parse_args()
+  if args.cmd == "table":
+    print(table(pathlib.Path(args.out)))
+    return 0
   if args.cmd == "calibration":
     pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
     calibration(args.checkout, pathlib.Path(args.out))
