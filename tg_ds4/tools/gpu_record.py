@@ -22,7 +22,7 @@ import os, sys
 if __name__ == "__main__":  # run as a script: its folder (tools/, with an inspect.py) must not shadow the standard library
   sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
-import contextlib, importlib, importlib.metadata, importlib.util, io, json, math, pathlib, re, runpy  # noqa: E402
+import contextlib, importlib, importlib.metadata, importlib.util, io, itertools, json, math, pathlib, re, runpy  # noqa: E402
 
 UNROLLED = 16  # constant loop trips NVRTC unrolls fully (innermost loops only)
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -84,12 +84,27 @@ def features(prg, vals: tuple, weight_slots: frozenset, buf_bytes: dict) -> dict
   footprint: dict = {}  # (slot, load|store) -> bytes
   flops = tc_flops = barriers = insts = transactions = 0  # transactions: 32-byte sectors a warp's accesses touch
   straight = [None]  # what the code outside every loop (or hoisted out of them) loads
-  def wait(u, kind: str) -> None:
+  waits: dict = {}  # real loop -> the largest share of its iterations that a load in it waits in (a gated load: its gate's)
+  def wait(u, kind: str, share: float = 1.0) -> None:
     """A load makes the innermost real loop it depends on wait (or the code before the loops)."""
     real = [r for r in opened[:depth(u)] if r not in unrolled]
-    if real: body[real[-1]] = max(body[real[-1]], kind, key=RANK.get)
+    if real: body[real[-1]], waits[real[-1]] = max(body[real[-1]], kind, key=RANK.get), max(waits.get(real[-1], 0.0), share)
     else: straight[0] = max(straight[0], kind, key=RANK.get)
   ALU = _alu()
+  gated = {u: u.src[2] for u in lin if u.op is Ops.LOAD and len(u.src) == 3}  # LOAD(address, value if not, gate)
+  def valid(gate) -> float:
+    """The share of a gated load's executions whose gate holds (a ternary on a load reads memory only when it holds: a
+    decode row's attention over its whole slot reads the rows up to its position). 1 when too many to count."""
+    order = list(gate.toposort(lambda x: x.op is not Ops.LOAD))
+    leaves = [v for v in order if v.op in (Ops.RANGE, Ops.SPECIAL)]
+    if not leaves or math.prod(trip[v] for v in leaves) > 1 << 16: return 1.0
+    fixed, hold = {v: var_vals.get(v.expr, 0) for v in order if v.op is Ops.PARAM and v.addrspace is c.AddrSpace.ALU}, 0
+    for combo in itertools.product(*(range(trip[v]) for v in leaves)):
+      val = {**fixed, **dict(zip(leaves, combo))}
+      for v in order:
+        if v not in val: val[v] = v.arg if v.op is Ops.CONST else ALU[v.op](*(val.get(x, 0) for x in v.src)) if v.op in ALU else 0
+      hold += bool(val[gate])
+    return hold / math.prod(trip[v] for v in leaves)
   locals_ = sorted((u for u in lin if u.op is Ops.SPECIAL and u.arg.startswith("lidx")), key=lambda u: u.arg)
   def sectors(index, item: int, nbytes: int) -> int:
     """32-byte sectors one warp's load or store touches (its first warp, first iteration): a warp whose lanes read
@@ -115,7 +130,10 @@ def features(prg, vals: tuple, weight_slots: frozenset, buf_bytes: dict) -> dict
       continue
     if u.op is Ops.END:
       if (r := next((s for s in u.src if s.op is Ops.RANGE), None)) is not None and r in opened:
-        if r not in unrolled: rounds[body[r] or "alu"] += math.prod(trip[o] for o in opened[:opened.index(r) + 1])
+        if r not in unrolled:
+          n, w = math.prod(trip[o] for o in opened[:opened.index(r) + 1]), waits.get(r, 1.0) if body[r] else 0.0
+          rounds[body[r] or "alu"] += round(n * w)
+          rounds["alu"] += n - round(n * w)  # the iterations whose gated loads read nothing
         opened.remove(r)
       continue
     memory = u.op in (Ops.LOAD, Ops.STORE) and getattr(u.src[0], "addrspace", None) is not c.AddrSpace.REG
@@ -135,8 +153,9 @@ def features(prg, vals: tuple, weight_slots: frozenset, buf_bytes: dict) -> dict
     size = ev(v.max_numel()) * v.dtype.itemsize
     key = (slot, u.op.name.lower())
     if len(idx.src) > 1: transactions += runs(u) * sectors(idx.src[1], v.dtype.itemsize, size)
-    footprint[key] = min(footprint.get(key, 0) + math.prod(trip.get(d, 1) for d in deps) * size, buf_bytes.get(slot, 1 << 62))
-    if u.op is Ops.LOAD: wait(u, "dram" if slot in weight_slots else "l2")
+    share = valid(gated[u]) if u in gated else 1.0
+    footprint[key] = min(footprint.get(key, 0) + int(math.prod(trip.get(d, 1) for d in deps) * size * share), buf_bytes.get(slot, 1 << 62))
+    if u.op is Ops.LOAD: wait(u, "dram" if slot in weight_slots else "l2", share)
   rounds[straight[0] if straight[0] in ("dram", "l2") else "l2"] += 1  # the code outside the loops: one round trip to memory at least
   return {"rounds": rounds, "barriers": barriers, "instructions": insts, "sectors": transactions, "flops": flops, "tc_flops": tc_flops,
           "bytes": {f"{s}:{k}": b for (s, k), b in footprint.items()}}
