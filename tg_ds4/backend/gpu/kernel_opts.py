@@ -40,7 +40,7 @@ def weight_operand(k: Scheduler):  # the operand that streams from memory: the l
 
 def _divisor(n: int, most: int) -> int:
   """The largest power of two <= most dividing n, else n's largest divisor <= most."""
-  return next((d for d in (256, 128, 64, 32, 16, 8, 4, 2) if d <= most and n % d == 0), None) or max(d for d in range(1, most + 1) if n % d == 0)
+  return next((d for d in (32, 16, 8, 4, 2) if d <= most and n % d == 0), None) or max(d for d in range(1, most + 1) if n % d == 0)
 
 def broadcast_rows(k: Scheduler) -> Scheduler:
   """`k` with its small output axes that no reduction reads upcast (see the module docstring); `k` itself when there are
@@ -102,8 +102,8 @@ def wide_reduce(k: Scheduler) -> Scheduler | None:
   if not red or prod(k.full_shape[a] for a in k.axes_of(AxisType.GLOBAL)) > 2048 or prod(k.full_shape[a] for a in red) < WIDE: return None
   for i, a in enumerate(red):
     # threads per output: the loads each thread waits on (length / g) against the partials one thread adds up (g)
-    g = _divisor(k.full_shape[a], REDUCE_THREADS if prod(k.full_shape[r] for r in red) > 4096 else REDUCE_THREADS // 2)
-    if g < 32: continue
+    most = REDUCE_THREADS if prod(k.full_shape[r] for r in red) > 4096 else REDUCE_THREADS // 2
+    if (g := next((d for d in (256, 128, 64, 32) if d <= most and k.full_shape[a] % d == 0), 0)) == 0: continue
     alt = k.copy()
     try: alt.apply_opt(Opt(OptOps.GROUPTOP, i, g))
     except KernelOptError: continue
