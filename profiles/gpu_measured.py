@@ -1,6 +1,7 @@
 """Measurements of GPU steps beside the GPU cost model's inputs, as the CSVs in profiles/gpu/ that tests/test_gpu_cost.py
 holds the model to (tg_ds4/tools/gpu_cost.py: a row per kernel with its recorded features and, where a GPU timed it,
-its time; rows for op classes measured as a sum; a row for the step as `bench` replays it).
+its time; rows for op classes measured as a sum; a row for the step as `bench` replays it, and one for the host's
+Python work a step, timed on tinygrad's NULL device by the CPU that records).
 
     python profiles/gpu_measured.py calibration --checkout WORKTREE_AT_0e65eba
         the H200 measurements of the code at 0e65eba (below), beside the kernels that checkout lowers for CUDA
@@ -46,7 +47,8 @@ def calibration(checkout: str, out_dir: pathlib.Path) -> None:
     model = cache_dir() / "bench" / f"{STEMS[preset].format(layers=layers)}.gguf"
     if not model.exists(): subprocess.run([sys.executable, str(REPO / "profiles/make_bench_model.py"), preset, "--layers", str(layers)], check=True)
     step = gpu_cost.record(str(model), checkout, False, parallel, None)["steps"]["decode"]
-    rows = gpu_cost.measurement_rows(step, classes_us=m["classes"], step_us=parallel / m["decode_tps"] * 1e6)
+    rows = gpu_cost.measurement_rows(step, classes_us=m["classes"], step_us=parallel / m["decode_tps"] * 1e6,
+                                     host_python_us=gpu_cost.host_us(str(model), checkout, parallel))
     path = out_dir / f"h200-0e65eba-{model.stem}{f'-p{parallel}' if parallel > 1 else ''}.csv"
     gpu_cost.write_measurement(path, rows)
     print(f"wrote {path} ({len(step['kernels'])} kernels)")
@@ -58,7 +60,8 @@ def device(args) -> None:
     sys.exit("the GPU's profile and the CUDA lowering launched different kernels: not comparable")
   bench = json.loads(pathlib.Path(args.bench).read_text())
   tps = bench["parallel"]["aggregate_decode_tps"] if args.parallel > 1 else bench["tg_ds4"]["decode_tps"]
-  rows = gpu_cost.measurement_rows(step, measured_us=[k["time_s"] * 1e6 for k in measured], step_us=args.parallel / tps * 1e6)
+  rows = gpu_cost.measurement_rows(step, measured_us=[k["time_s"] * 1e6 for k in measured], step_us=args.parallel / tps * 1e6,
+                                   host_python_us=gpu_cost.host_us(args.model, None, args.parallel))  # on the GPU machine's own CPU
   gpu_cost.write_measurement(pathlib.Path(args.out), rows)
   print(f"wrote {args.out}")
 

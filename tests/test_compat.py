@@ -82,3 +82,24 @@ def test_a_compile_pool_started_before_a_model_load_keeps_working():
                           "TG_DS4_PROGRAM_CACHE": "0"})  # every kernel compiled here, in the pool
   assert r.returncode == 0 and r.stdout.strip().endswith("done"), r.stderr[-3000:]
   assert "PicklingError" not in r.stderr, r.stderr[-3000:]
+
+def test_a_device_buffer_is_read_back_by_its_allocator_alone():
+  """host_copy reads a realized buffer on a GPU-style device (PYTHON) by the allocator's copy (compat.copy_out), the same
+  bytes as tinygrad's own read, views at an offset included, without running tinygrad's copy program (~200 us of
+  Python a token in a GPU's decode loop)."""
+  import numpy as np
+  from tinygrad import Tensor
+  from tinygrad.engine import realize
+  from tg_ds4.backend.buffers import host_copy
+  from tinygrad import dtypes
+  from tg_ds4.backend.compat import Buffer, copy_out
+  t = (Tensor(np.arange(24, dtype=np.int32), device="PYTHON").reshape(4, 6) * 3).contiguous().realize()
+  want = t.numpy()
+  runs, real = [], realize.run_linear
+  realize.run_linear = lambda *a, **k: (runs.append(1), real(*a, **k))[1]
+  try: got = host_copy(t.reshape(6, 4))
+  finally: realize.run_linear = real
+  assert runs == [] and got.shape == (6, 4) and np.array_equal(got, want.reshape(6, 4))
+  base = t.uop.buffer
+  view = Buffer("PYTHON", 5, dtypes.int32, base=base, offset=7 * 4).ensure_allocated()
+  assert np.array_equal(np.frombuffer(copy_out(view), np.int32), want.reshape(-1)[7:12])

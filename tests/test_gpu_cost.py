@@ -31,9 +31,11 @@ def run_predict(*extra, checkout=None, env=None):
   if checkout: cmd += ["--checkout", str(checkout)]
   return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
 
+HOST_US = 123.0  # the host's Python work a step, given: timing it is test_another_checkout_runs_its_own_code's
+
 @pytest.fixture(scope="module")
 def predicted():
-  r = run_predict()
+  r = run_predict("--host-us", str(HOST_US))
   assert r.returncode == 0, r.stderr[-3000:]
   return json.loads(r.stdout)
 
@@ -63,20 +65,28 @@ def test_the_cache_rows_are_read(predicted):
 def test_the_prediction_adds_up(predicted):
   d, hw = predicted["decode"], predicted["hardware"]
   assert predicted["kernels"] == len(d["kernels"]) > 0
-  assert d["step_s"] == pytest.approx(sum(k["time_s"] for k in d["kernels"]) + hw["host_us"] * 1e-6)
+  assert predicted["host_us"] == pytest.approx(HOST_US + hw["host_sync_us"])
+  assert d["step_s"] == pytest.approx(sum(k["time_s"] for k in d["kernels"]) + predicted["host_us"] * 1e-6)
   assert predicted["predicted"]["decode_tps"] == pytest.approx(1 / d["step_s"])
   for k in d["kernels"]:
     assert k["time_s"] >= k["floor_s"] and k["time_s"] == pytest.approx(hw["launch_us"] * 1e-6 + k[f"{k['bound']}_s"])
 
 def test_another_checkout_runs_its_own_code(tmp_path):
-  """--checkout runs that checkout's code: a copy of the package that leaves a mark when it starts is the one run."""
+  """--checkout runs that checkout's code, its steps and its decode loop: a copy of the package that leaves a mark when it
+  starts is the one run, and one whose per-token step sleeps 20 ms has that much more host work timed a step."""
   shutil.copytree(ROOT / "tg_ds4", tmp_path / "tg_ds4", ignore=shutil.ignore_patterns("__pycache__"))
   main = tmp_path / "tg_ds4" / "__main__.py"
   main.write_text("import os, pathlib; pathlib.Path(os.environ['GPU_COST_MARK']).write_text('ran')\n" + main.read_text())
+  runner = tmp_path / "tg_ds4" / "runtime" / "runner.py"
+  src = runner.read_text()
+  step = next(line for line in src.splitlines(keepends=True) if line.startswith("  def next_token("))
+  runner.write_text(src.replace(step, step + "    time.sleep(0.02)\n"))
   r = run_predict(checkout=tmp_path, env={"GPU_COST_MARK": str(tmp_path / "mark")})
   assert r.returncode == 0, r.stderr[-3000:]
   assert (tmp_path / "mark").read_text() == "ran"
-  assert json.loads(r.stdout)["predicted"]["decode_tps"] > 0
+  res = json.loads(r.stdout)
+  assert res["predicted"]["decode_tps"] > 0
+  assert 20_000 <= res["host_python_us"] <= 40_000, res["host_python_us"]
 
 def test_a_folder_that_is_no_checkout_is_one_line(tmp_path):
   r = run_predict(checkout=tmp_path)
@@ -87,7 +97,10 @@ def test_measurement_files_are_read_as_written(tmp_path):
   step = {"tokens": 1, "kernels": [{"block": "blk.0", "op": op, "name": f"k{i}", "global": [64, 1, 1], "local": [32, 1, 1],
                                     "rounds": {"dram": 10, "l2": 1, "alu": 0}, "instructions": 100, "flops": 10, "tc_flops": 0,
                                     "bytes": {"1:load": 1 << 20}} for i, op in enumerate(["norm", "experts", "experts"])]}
-  gpu_cost.write_measurement(p := tmp_path / "h100-x-test.csv", gpu_cost.measurement_rows(step, measured_us=[5.0, 7.0, 8.0], step_us=40.0))
-  assert [r["kind"] for r in csv.DictReader(open(p))] == ["kernel"] * 3 + ["step"]
+  gpu_cost.write_measurement(p := tmp_path / "h100-x-test.csv", gpu_cost.measurement_rows(step, measured_us=[5.0, 7.0, 8.0], step_us=40.0,
+                                                                                          host_python_us=12.0))
+  assert [r["kind"] for r in csv.DictReader(open(p))] == ["kernel"] * 3 + ["step", "host"]
   res = gpu_cost.check_measurement(p, gpu_cost.H100)
   assert res["classes"]["experts"][1] == 15.0 and res["classes"]["norm"][1] == 5.0 and res["step"][1] == 40.0
+  kernels = sum(gpu_cost.kernel_time(k, gpu_cost.H100)["time_s"] for k in step["kernels"]) * 1e6
+  assert res["step"][0] == pytest.approx(kernels + 12.0 + gpu_cost.H100.host_sync_us)  # the host's share: timed + fitted

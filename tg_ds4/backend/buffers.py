@@ -9,20 +9,25 @@ from collections.abc import Callable
 import numpy as np
 from tinygrad import Tensor, UOp
 
-from tg_ds4.backend.compat import Buffer, BufferSpec, Ops, _from_np_dtype, _to_np_dtype, copy_in, prod
+from tg_ds4.backend.compat import Buffer, BufferSpec, Ops, _from_np_dtype, _to_np_dtype, copy_in, copy_out, prod
 
 def host_copy(t: Tensor) -> np.ndarray | None:
-  """A CPU tensor that is all of a realized buffer (reshaped at most), as a numpy copy, read in place without lowering a
-  kernel (a warm start lowers nothing); None for anything else (a view, a lazy value, another device). tinygrad's own
-  read (`numpy()`, `item()`) goes through a copy program, Python work per call that a small model's decode step
-  would pay again each time the sampled token is read back."""
-  return None if (a := host_view(t)) is None else a.copy()
+  """A tensor that is all of a realized buffer (reshaped at most), on any device, as a numpy copy, read without lowering
+  a kernel (a warm start lowers nothing): on the CPU in place, elsewhere by the allocator's own copy (compat.copy_out);
+  None for anything else (a view, a lazy value). tinygrad's own read (`numpy()`, `item()`) goes through a copy
+  program, Python work per call (~200 us) that a decode loop would pay again each time the sampled token is read back."""
+  if (a := host_view(t)) is not None: return a.copy()
+  if (u := _whole_buffer(t)) is None: return None
+  return np.frombuffer(copy_out(u.buffer), _to_np_dtype(t.dtype)).reshape(t.shape)
+
+def _whole_buffer(t: Tensor) -> UOp | None:
+  u = t.uop
+  while u.op is Ops.RESHAPE: u = u.src[0]
+  return u if u.op is Ops.BUFFER and u.is_realized and u.buffer.nbytes == t.nbytes() else None
 
 def host_view(t: Tensor) -> np.ndarray | None:
   """As `host_copy`, but the buffer's memory itself, read-only, no copy (a mapped file's pages are read as it is read)."""
-  u = t.uop
-  while u.op is Ops.RESHAPE: u = u.src[0]
-  if u.op is not Ops.BUFFER or not u.is_realized or not str(t.device).startswith("CPU") or u.buffer.nbytes != t.nbytes(): return None
+  if (u := _whole_buffer(t)) is None or not str(t.device).startswith("CPU"): return None
   a = np.frombuffer(u.buffer.as_memoryview(allow_zero_copy=True), _to_np_dtype(t.dtype)).reshape(t.shape)
   a.flags.writeable = False
   return a

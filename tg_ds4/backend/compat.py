@@ -90,6 +90,15 @@ def copy_in(buf: Buffer, data: memoryview) -> None:
     buf.allocator._copyin(buf._buf, data)
   else: buf.copy_from(Buffer("PYTHON", buf.size, buf.dtype, opaque=data))
 
+def copy_out(buf: Buffer) -> memoryview:
+  """An allocated buffer's bytes on the host. Where the allocator has its own copy (CPU, CUDA, NV, AMD, Metal...: it
+  waits for the device, then copies) that copy alone; on another release, or a device without one, tinygrad's copy
+  op, which builds and runs a copy program through the executor: ~200 us of Python per call, which a GPU's decode
+  loop would pay for every token it reads back."""
+  if not (internals_match() and buf.is_initialized() and callable(getattr(buf.allocator, "_copyout", None))): return buf.as_memoryview()
+  buf.allocator._copyout(out := memoryview(bytearray(buf.nbytes)), buf._buf)
+  return out
+
 def fast_replay_on() -> bool: return os.environ.get("TG_DS4_FAST_REPLAY", "1") != "0" and internals_match()
 
 def fast_schedule_on() -> bool: return os.environ.get("TG_DS4_FAST_SCHEDULE", "1") != "0" and internals_match()

@@ -11,11 +11,14 @@ the bytes it moves (the footprint of its lowered index expressions) and its FLOP
 A GPU hides latency only with threads in flight: a kernel whose threads each loop over a long row one load at a time
 (a norm or softmax on 16 threads) takes its chain of round trips however few bytes it reads; a GEMV that unpacks
 bytes one at a time is bound by how fast the SMs issue the instructions; a wide kernel of few instructions a byte
-is bound by HBM. The step is the sum of its kernels in a CUDA graph plus the host's share of a step. The constants
-are named in `HARDWARE`, with their source; the fitted ones are fitted to the H200 measurements in docs/gpu.md."""
+is bound by HBM. The step is the sum of its kernels in a CUDA graph plus the host's share of a step: the Python work
+of the checkout's own decode loop, timed by running its `bench` on tinygrad's NULL device (every kernel and the graph
+a no-op: what is left is the host), and the part no NULL run shows (the graph's launch on the GPU, waiting for it,
+copying the token back). The constants are named in `HARDWARE`, with their source; the fitted ones are fitted to the
+H200 measurements in docs/gpu.md."""
 from __future__ import annotations
 
-import csv, json, math, os, pathlib, subprocess, sys, tempfile
+import contextlib, csv, json, math, os, pathlib, subprocess, sys, tempfile
 from dataclasses import asdict, dataclass, replace
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -38,16 +41,17 @@ class Hardware:
   issue_fraction: float     # of the SMs' issue rate (4 schedulers x 32 lanes a clock) that tinygrad's kernels reach (fitted)
   fp32_tflops: float        # CUDA cores (dense FP32)
   tc_tflops: float          # tensor cores, FP16 inputs with FP32 accumulation (dense)
-  host_us: float            # the host's share of a replayed step: graph launch, variable update, reading the token (fitted)
+  host_sync_us: float       # the host's share of a step that a NULL run does not show: the graph's launch on the GPU,
+                            # waiting for the step, copying the token back (fitted, beside the NULL-timed Python work)
   warps_per_sm: int = 64    # resident warps (2,048 threads)
   blocks_per_sm: int = 32   # resident blocks
 
   def issue_per_s(self) -> float: return self.sms * 4 * 32 * self.clock_ghz * 1e9 * self.issue_fraction
 
-# The fitted constants (round_ns, issue_fraction, launch_alone_us, host_us) come from the H200 measurements of the
+# The fitted constants (round_ns, issue_fraction, launch_alone_us, host_sync_us) come from the H200 measurements of the
 # code at 0e65eba (docs/gpu.md "The cost model"); the H100 shares them but for its clock-independent memory system
 H200 = Hardware("NVIDIA H200", sms=132, clock_ghz=1.98, hbm_gbps=4800, bw_fraction=0.9, launch_us=2.5, launch_alone_us=8.0,
-                round_ns=100.0, smem_round_ns=15.0, alu_round_ns=4.0, issue_fraction=0.85, fp32_tflops=67, tc_tflops=990, host_us=400.0)
+                round_ns=100.0, smem_round_ns=15.0, alu_round_ns=4.0, issue_fraction=0.85, fp32_tflops=67, tc_tflops=990, host_sync_us=40.0)
 H100 = replace(H200, name="NVIDIA H100 SXM", hbm_gbps=3350)
 HARDWARE = {"h200": H200, "h100": H100}
 
@@ -95,6 +99,23 @@ def active_bytes(path: str, rows: int = 1) -> int:
     else: total += info.nbytes
   return int(total)
 
+def host_us(model: str, checkout: str | None, parallel: int) -> float:
+  """Microseconds of host work a decode step of the checkout's generation loop takes (a batched step of `parallel` rows
+  with parallel > 1): its own `bench` run on tinygrad's NULL device, where kernels and graphs are no-ops and a copy back
+  reads nothing, so what its clock measures is the Python of the loop: the captured step's replay, binding the
+  position and token, reading the token back."""
+  from tg_ds4.io.gguf import open_gguf
+  gf = open_gguf(model)
+  # the calibration's bench (128 prompt tokens, 64 generated) where the file's context holds it
+  prompt, gen = (128, 64) if (gf.metadata.get(f"{gf.arch}.context_length") or 0) >= 200 else (16, 40)
+  cmd = [sys.executable, "-m", "tg_ds4", "bench", "-m", model, "--prompt-tokens", str(prompt), "--gen", str(gen), "--repeat", "3", "--json",
+         *(["--parallel", str(parallel)] if parallel > 1 else [])]
+  env = {**os.environ, "DEV": "NULL", "NULL_ALLOW_COPYOUT": "1", "TG_DS4_STEP_CACHE": "0"}
+  r = subprocess.run(cmd, cwd=checkout or REPO, env=env, capture_output=True, text=True)
+  if r.returncode != 0: raise RuntimeError(f"timing the host's share on the NULL device failed ({' '.join(cmd[3:])}):\n{r.stderr.strip()[-2000:]}")
+  out = json.loads(r.stdout)
+  return out["parallel"]["ms_per_step"] * 1e3 if parallel > 1 else out["tg_ds4"]["ms_per_token"] * 1e3
+
 def record(model: str, checkout: str | None, prefill: bool, parallel: int, pos: int | None) -> dict:
   """The recorded kernels of a checkout's profiled steps (tools/gpu_record.py in a process of its own)."""
   with tempfile.TemporaryDirectory() as d:
@@ -109,9 +130,10 @@ def record(model: str, checkout: str | None, prefill: bool, parallel: int, pos: 
       raise RuntimeError(f"lowering the steps for CUDA failed ({' '.join(cmd[3:])}):\n{r.stderr.strip()[-2000:]}")
     return json.loads(out.read_text())
 
-def predict(rec: dict, hw: Hardware, model: str) -> dict:
-  """Per-kernel and whole-step predictions for every recorded step."""
-  res = {"hardware": asdict(hw), "renderer": rec["renderer"]}
+def predict(rec: dict, hw: Hardware, model: str, host_python_us: float) -> dict:
+  """Per-kernel and whole-step predictions for every recorded step; `host_python_us`: the host's Python work a step
+  (`host_us`), to which the fitted rest of the host's share is added."""
+  res = {"hardware": asdict(hw), "renderer": rec["renderer"], "host_python_us": host_python_us, "host_us": host_python_us + hw.host_sync_us}
   for step, s in rec["steps"].items():
     kernels = []
     def named(k: dict, key: str) -> str: return k["buffers"].get(key.split(":")[0], "")
@@ -124,7 +146,7 @@ def predict(rec: dict, hw: Hardware, model: str) -> dict:
                       "weight_bytes": sum(b for key, b in k["bytes"].items() if is_weight(named(k, key))),
                       "cache_bytes": sum(b for key, b in k["bytes"].items() if is_state(named(k, key)) and key.endswith("load"))})
     rows = s["tokens"]
-    step_s = sum(k["time_s"] for k in kernels) + hw.host_us * 1e-6
+    step_s = sum(k["time_s"] for k in kernels) + res["host_us"] * 1e-6
     by_op: dict = {}
     for k in kernels:
       o = by_op.setdefault(k["op"], {"time_s": 0.0, "alone_s": 0.0, "bytes": 0, "kernels": 0})
@@ -151,7 +173,7 @@ def format_text(res: dict, top: int = 12) -> str:
     r = res[step]
     lines.append(f"{step} on {hw['name']} (predicted from the CUDA lowering; {r['tokens']} token{'s' * (r['tokens'] > 1)} at position "
                  f"{r['position']}): {len(r['kernels'])} kernels, {r['step_s'] * 1e3:.3f} ms a step = {r['tokens_per_s']:,.0f} tok/s (kernels "
-                 f"{r['kernel_time_s'] * 1e3:.3f} ms in a graph + host {hw['host_us']:.0f} us; launched alone {r['alone_time_s'] * 1e3:.3f} ms)")
+                 f"{r['kernel_time_s'] * 1e3:.3f} ms in a graph + host {res['host_us']:.0f} us; launched alone {r['alone_time_s'] * 1e3:.3f} ms)")
     need = r["active_bytes"] + r["kv_bytes"]
     lines.append(f"  bytes a step {r['bytes_per_step'] / 1e6:,.1f} MB = {r['bytes_per_step'] / need:.2f}x the active weights "
                  f"{r['active_bytes'] / 1e6:,.1f} MB + KV read {r['kv_bytes'] / 1e6:,.2f} MB (weights read {r['weight_bytes'] / 1e6:,.1f} MB); "
@@ -198,8 +220,10 @@ def write(res: dict, out_dir: pathlib.Path, title: str) -> list[pathlib.Path]:
 MEASURED_FIELDS = ["kind", "index", "block", "op", "name", "tokens", "global", "local", "rounds_dram", "rounds_l2", "rounds_smem", "rounds_alu",
                    "instructions", "sectors", "flops", "tc_flops", "bytes", "measured_us"]
 
-def measurement_rows(step: dict, measured_us: list | None = None, classes_us: dict | None = None, step_us: float | None = None) -> list[dict]:
-  """CSV rows for one recorded step (gpu_record's `steps[...]`): a row per kernel, a row per measured op class, one for the step."""
+def measurement_rows(step: dict, measured_us: list | None = None, classes_us: dict | None = None, step_us: float | None = None,
+                     host_python_us: float | None = None) -> list[dict]:
+  """CSV rows for one recorded step (gpu_record's `steps[...]`): a row per kernel, a row per measured op class, one for the
+  step, and one for the host's Python work a step (`host_us`, named by the CPU that timed it)."""
   rows = []
   for i, k in enumerate(step["kernels"]):
     rows.append({"kind": "kernel", "index": i, "block": k["block"], "op": k["op"], "name": k["name"], "global": "x".join(map(str, k["global"])),
@@ -209,7 +233,15 @@ def measurement_rows(step: dict, measured_us: list | None = None, classes_us: di
                  "measured_us": "" if measured_us is None else f"{measured_us[i]:.2f}"})
   rows += [{"kind": "class", "op": op, "measured_us": f"{us:.1f}"} for op, us in (classes_us or {}).items()]
   if step_us is not None: rows.append({"kind": "step", "tokens": step["tokens"], "measured_us": f"{step_us:.1f}"})
+  if host_python_us is not None: rows.append({"kind": "host", "name": f"NULL device on {cpu_name()}", "measured_us": f"{host_python_us:.1f}"})
   return rows
+
+def cpu_name() -> str:
+  import platform
+  with contextlib.suppress(OSError):
+    for line in open("/proc/cpuinfo"):
+      if line.startswith("model name"): return line.split(":", 1)[1].strip()
+  return platform.processor() or platform.machine()
 
 def write_measurement(path: pathlib.Path, rows: list[dict]) -> None:
   with open(path, "w", newline="") as f:
@@ -233,6 +265,8 @@ def check_measurement(path: pathlib.Path, hw: Hardware) -> dict:
     if op not in classes and (m := alone_us(op))[1] is not None: classes[op] = m
   out = {"classes": classes}
   step = next((r for r in rows if r["kind"] == "step"), None)
-  out["step"] = (sum(kernel_time(k, hw)["time_s"] for k in kernels) * 1e6 + hw.host_us, float(step["measured_us"])) if step else None
+  host = next((float(r["measured_us"]) for r in rows if r["kind"] == "host"), None)
+  if step and host is None: raise ValueError(f"{path}: a step's measured time without the host's Python work a step (a 'host' row)")
+  out["step"] = (sum(kernel_time(k, hw)["time_s"] for k in kernels) * 1e6 + hw.host_sync_us + host, float(step["measured_us"])) if step else None
   out["tokens"] = int(step["tokens"]) if step else None
   return out
