@@ -358,9 +358,10 @@ def _quantized(name: str, w: np.ndarray, device: str) -> tuple[QTensor, np.ndarr
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q8_0"])
 def test_gpu_gemv_groups_each_row_over_threads_and_stays_exact(name):
-  """A packed GEMV and a gathered-experts GEMV on a GPU renderer: threads split each row's reduce (GROUP) and
-  workgroups hold several rows (LOCAL), where tinygrad's heuristic walks whole rows per thread (far from the GPU's memory
-  bandwidth, above all for the gathered experts); the result equals gguf-py's dequantization times x to float32 rounding."""
+  """A packed GEMV and a gathered-experts GEMV on a GPU renderer: threads split each row's blocks (GROUP), each thread
+  unpacking its blocks' 32 values at once (UNROLL: quant/formats.py's GPU form sums blocks last), and workgroups hold
+  several rows (LOCAL), where tinygrad's heuristic walks whole rows per thread (far from the GPU's memory bandwidth,
+  above all for the gathered experts); the result equals gguf-py's dequantization times x to float32 rounding."""
   from tg_ds4.backend.gpu import kernel_opts as gpu
   rng, dev = np.random.default_rng(0), "PYTHON"
   w = rng.standard_normal((4, 64, 256)).astype(np.float32)
@@ -372,7 +373,8 @@ def test_gpu_gemv_groups_each_row_over_threads_and_stays_exact(name):
     chosen = [gpu.packed_gemv(k) for k in schedulers(t.contiguous(), Device[dev].renderer)]
     (k,) = [c for c in chosen if c is not None]  # the GEMV (the gather's index arithmetic is another kernel)
     ops = [o.op for o in k.applied_opts]
-    assert OptOps.GROUP in ops and OptOps.LOCAL in ops, ops
+    assert OptOps.GROUP in ops and OptOps.UNROLL in ops and OptOps.LOCAL in ops, ops
+    assert k.full_shape[k.axes_of(AxisType.GROUP_REDUCE)[0]] == 256 // 32  # a thread a block: 8 of them a row
   one, experts = make()
   want_one, want_experts = deq[1] @ x[0, 0], np.einsum("eoi,i->eo", deq[[2, 0, 3]], x[0, 0])
   got_one, got_experts = one.numpy().reshape(64), experts.numpy().reshape(3, 64)

@@ -492,6 +492,8 @@ def as_tensor(w: Weight, dtype: DType | None = dtypes.float32) -> Tensor:
   if isinstance(w, QTensor): return w.dequant(dtype)
   return w if dtype is None or w.dtype == dtype else w.cast(dtype)
 
+GPU_BLOCK = 32   # values per block up to which a GPU's GEMV gives each thread whole blocks (backend/gpu's packed_gemv
+                 # unrolls them); a 256-value block (K-quants, IQ2) has too few per row to share a row over 32 threads
 LANES = 16       # accumulators per row in a GEMV: 16 float32 = one 512-bit vector (two 256-bit ones)
 LANES_MAX_ROWS = 8  # x rows per weight matrix up to which `linear` uses the lanes form (measured: it wins from 1 row to 8,
                     # the plain matmul form at 16 and 32)
@@ -521,6 +523,9 @@ def linear(x: Tensor, w: Weight, bias: Weight | None = None, dtype: DType | None
     xl = lay.to_load(x.cast(dtype).reshape(*x.shape[:-1], w.shape[-1] // qt.block, qt.block))   # [..., nb, *layout]
     rows = prod(x.shape[:-2 - (w.ndim - 2)]) * x.shape[-2] if x.ndim >= 2 else 1  # per weight matrix: not the axes matching w's leading ones
     if not isinstance(rows, int) or rows > LANES_MAX_ROWS: y = xl.flatten(-k).matmul(v.flatten(-k).transpose(-1, -2), dtype=f32)
+    elif not settings.current(w.device).caps.gemv_lanes and qt.block <= GPU_BLOCK:  # a GPU: each block's sum, then the blocks'
+      p = xl.unsqueeze(-k - 1) * v.unsqueeze(-k - 2)                              # [..., T, out, nb, *layout]
+      y = p.sum(tuple(range(-k + 1, 0)), dtype=f32).sum(-1)
     else:
       n = lay.n[lay.lane]
       wd = max(d for d in range(1, min(lay.lanes or LANES, n) + 1) if n % d == 0)

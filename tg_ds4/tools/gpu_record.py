@@ -121,6 +121,15 @@ def features(prg, vals: tuple, weight_slots: frozenset, buf_bytes: dict) -> dict
       a = int(val[index]) * item
       seen.update(range(a // 32, (a + nbytes - 1) // 32 + 1))
     return len(seen)
+  def spans(d, index) -> int:
+    """The distinct values loop or thread index `d` gives `index`: its trip count, or where the index reads it only as
+    `d % m` (tinygrad merges adjacent loops into one: a block's 64 bytes read inside a 256-value loop) m of them, or only
+    as `d // q` its trip over q."""
+    n, users = trip.get(d, 1), [v for v in index.toposort() if d in v.src]
+    def only(*ops) -> bool: return bool(users) and all(v.op in ops and v.src[0] is d and v.src[1].op is Ops.CONST for v in users)
+    if only(Ops.CMOD, Ops.FLOORMOD): return min(n, max(v.src[1].arg for v in users))  # (non-negative indices: C and floor agree)
+    if only(Ops.CDIV, Ops.FLOORDIV): return -(-n // min(v.src[1].arg for v in users))
+    return n
   def depth(u) -> int: return max((i + 1 for i, r in enumerate(opened) if r in loops[u]), default=0)
   def runs(u) -> int: return math.prod(trip[r] for r in opened[:depth(u)])
   for u in lin:
@@ -154,7 +163,7 @@ def features(prg, vals: tuple, weight_slots: frozenset, buf_bytes: dict) -> dict
     key = (slot, u.op.name.lower())
     if len(idx.src) > 1: transactions += runs(u) * sectors(idx.src[1], v.dtype.itemsize, size)
     share = valid(gated[u]) if u in gated else 1.0
-    footprint[key] = min(footprint.get(key, 0) + int(math.prod(trip.get(d, 1) for d in deps) * size * share), buf_bytes.get(slot, 1 << 62))
+    footprint[key] = min(footprint.get(key, 0) + int(math.prod(spans(d, idx.src[1]) for d in deps) * size * share), buf_bytes.get(slot, 1 << 62))
     if u.op is Ops.LOAD: wait(u, "dram" if slot in weight_slots else "l2", share)
   rounds[straight[0] if straight[0] in ("dram", "l2") else "l2"] += 1  # the code outside the loops: one round trip to memory at least
   return {"rounds": rounds, "barriers": barriers, "instructions": insts, "sectors": transactions, "flops": flops, "tc_flops": tc_flops,

@@ -32,6 +32,7 @@ THREADS, WORKGROUP = 32, 128  # threads per row at most (the grouped axis must d
 BROADCAST = 8                 # a broadcast output axis (or several) at most this long is upcast whole (`broadcast_rows`)
 REDUCE_THREADS = 256          # threads sharing one output of a wide reduction (`wide_reduce`)
 WIDE = 1024                   # a reduction this long or longer, with few outputs, is a wide one
+UNROLL = 32                   # values of a block a thread unpacks at once (Q4_0's 2 x 16 nibbles)
 ROWS = 8                      # a token axis this long is a batched step's rows (runtime/runner.py's BATCHES); longer, a prefill chunk
 NESTED = (AxisType.REDUCE, AxisType.UNROLL, AxisType.GROUP_REDUCE)
 
@@ -63,8 +64,10 @@ def packed_gemv(k: Scheduler) -> Scheduler | None:
   if getattr(ren, "has_threads", False) or not ren.has_local or not ren.has_shared: return None
   if k.reduceop is None or k.reduceop.arg[0] is not Ops.ADD or not k.full_shape: return None
   if not all(isinstance(s, int) for s in k.full_shape): return None
-  weight = weight_operand(k)
-  if weight.src[0].dtype.itemsize != 1: return None
+  # the packed weight: the largest buffer of bytes (a larger float table can be fused in and read one row: V4's
+  # hash-routed layers read the token's row of the embedding)
+  if not (packed := [b for b in k.bufs if b.src[0].dtype.itemsize == 1]): return None
+  weight = max(packed, key=lambda b: b.src[0].max_numel())
   outs, seen = k.axes_of(AxisType.GLOBAL), weight.src[1].get_idx().backward_slice
   if tokens := [k.rngs[a] for a in outs if k.rngs[a] not in seen]:  # axes that do not move the weight: rows of x
     if len(tokens) == len(outs) or prod(r.vmax + 1 for r in tokens) > ROWS: return None  # a prefill chunk
@@ -82,9 +85,17 @@ def packed_gemv(k: Scheduler) -> Scheduler | None:
   if len(axes) > 1: axes = [a for a in axes if k.rngs[a] in seen]
   if len(axes) != 1 or axes[0] not in red: return None
   alt = k.copy()
+  # a block axis (the outer sum of quant/formats.py's GPU form): the values of a thread's block unrolled, so that each
+  # thread issues its block's loads at once rather than one loop iteration after another
+  inner = [r for u in k.ast.backward_slice if u.op is Ops.REDUCE and u not in outer for r in u.src[1:] if r in k.rngs]
+  blocks = bool(inner) and k.rngs[axes[0]] not in inner and prod(r.vmax + 1 for r in inner) <= UNROLL
   try:
-    g = _divisor(alt.full_shape[axes[0]], THREADS)
+    n = alt.full_shape[axes[0]]
+    # blocks: the most threads that divide them (a 10944-wide row's 342 blocks: 19 threads, not 2); bytes: a power of two
+    g = max(d for d in range(1, THREADS + 1) if n % d == 0) if blocks else _divisor(n, THREADS)
     if g > 1: alt.apply_opt(Opt(OptOps.GROUP, red.index(axes[0]), g))
+    for rid in [r.arg[0] for r in inner] if blocks else []:  # found by range id: an opt moves the axes it leaves
+      alt.apply_opt(Opt(OptOps.UNROLL, alt.unrollable_dims.index(next(i for i, r in enumerate(alt.rngs) if r.arg[0] == rid)), 0))
     rows = max(outs, key=lambda a: alt.full_shape[a])
     if (l := _divisor(alt.full_shape[rows], max(1, WORKGROUP // g))) > 1: alt.apply_opt(Opt(OptOps.LOCAL, rows, l))
   except KernelOptError: return None
