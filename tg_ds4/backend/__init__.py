@@ -62,6 +62,9 @@ class Capabilities:
   dot_lanes: bool           # a dot product over a long axis sums lanes of partial sums first (quant/formats.py dot_lanes): the
                             # CPU's vector accumulators. A GPU's threads are its lanes: the nested sum kept its kernel opts from
                             # splitting the reduce over a workgroup (backend/gpu's wide_reduce), 16 threads walking 16384 values
+  attention_chunk: int | None  # rows per chunk of a decode step's MLA attention over its cache (nn/mla.py): the GPU's
+                            # threads split a chunk's rows, each thread looping over the chunks (a symbolic count, where
+                            # a loop over the symbolic rows left each head's softmax to one thread); None: one loop
   gemv_lanes: bool          # a packed GEMV sums per lane of a block's layout first, then the lanes (quant/formats.py linear):
                             # the CPU's vector accumulators. On a GPU renderer the blocks are the outer sum instead, so its
                             # kernel opts spread a row's blocks over a warp's threads, each unpacking whole blocks
@@ -72,7 +75,7 @@ INT_DOT_FORMATS = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "IQ
 
 def capabilities(device: str | None = None) -> Capabilities:
   """`device`'s capabilities under the current TG_DS4_* knobs: `TG_DS4_AFFINE_GEMV=0`, `TG_DS4_EXPERT_TILES=0`,
-  `TG_DS4_INT_DOT=0`, `TG_DS4_INT_GEMM=0`, `TG_DS4_GEMV_BLOCKS=0`, `TG_DS4_C_GEMM=0`, `TG_DS4_C_ATTENTION=0`,
+  `TG_DS4_INT_DOT=0`, `TG_DS4_INT_GEMM=0`, `TG_DS4_GEMV_BLOCKS=0`, `TG_DS4_ATTENTION_CHUNKS=0`, `TG_DS4_C_GEMM=0`, `TG_DS4_C_ATTENTION=0`,
   `TG_DS4_VNNI=0` and `TG_DS4_WIDEN=0` turn their field off;
   `TG_DS4_KERNEL_OPTS=0` (or another tinygrad release) the forms made for our kernel heuristic."""
   device = Device.canonicalize(device or Device.DEFAULT)
@@ -86,7 +89,8 @@ def capabilities(device: str | None = None) -> Capabilities:
     int_dot_formats=INT_DOT_FORMATS if int_dot else frozenset(), int_gemm=int_dot and on("TG_DS4_INT_GEMM"),
     int_dot_vnni=int_dot and _vnni_cpu() and on("TG_DS4_VNNI"), c_gemm=_cpu_gemm() if int_dot and opts and on("TG_DS4_C_GEMM") else None,
     c_attention=_cpu_unit() if int_dot and opts and on("TG_DS4_C_ATTENTION") else None, widen_weights=on_cpu(device) and on("TG_DS4_WIDEN"),
-    dot_lanes=cpu_forms or not opts, gemv_lanes=cpu_forms or not opts or not on("TG_DS4_GEMV_BLOCKS"))
+    dot_lanes=cpu_forms or not opts, gemv_lanes=cpu_forms or not opts or not on("TG_DS4_GEMV_BLOCKS"),
+    attention_chunk=None if cpu_forms or not opts or not compat.derived_variables_on() else compat.CHUNK_SIZES[0])
 
 def _cpu_gemm() -> tuple[int, int]:
   from tg_ds4.backend.cpu.kernel_opts import CPU  # as _cpu_panel
@@ -121,6 +125,7 @@ def prepare_device(device: str) -> None:
   store_hazard.install()  # the scheduler's per-store hazard checks without a walk of the whole graph each
   compat.per_thread_compile_cache()  # serve compiles in its worker thread
   if Device.canonicalize(device).startswith("PYTHON"): emulator.install(device)  # the GPU emulator on whole-grid arrays
+  if compat.derived_variables_on(): compat.install_derived_variables()  # decode attention's chunk counts (nn/mla.py)
   ren = Device[device].renderer
   cpu, gpu = getattr(ren, "has_threads", False), ren.has_local and ren.has_shared  # (NULL's generic renderer is neither)
   if (cpu or gpu) and compat.kernel_opts_on():

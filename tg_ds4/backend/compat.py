@@ -99,6 +99,31 @@ def copy_out(buf: Buffer) -> memoryview:
   buf.allocator._copyout(out := memoryview(bytearray(buf.nbytes)), buf._buf)
   return out
 
+# A decode step's attention over a symbolic number of chunks of cache rows (nn/mla.py): `pos // size + 1` would be a
+# symbolic shape with a division in it, which tinygrad's scheduler does not get through; as a variable of its own it is
+# one more input of the captured step, which the JIT derives from the position's on every call (derived_variables_on)
+CHUNK_SIZES = (64,)
+
+def chunk_count(pos: "UOp", size: int) -> "UOp":
+  """The chunks of `size` rows that rows [0, pos] span, `pos // size + 1`, as a variable bound to it (the position a
+  bound variable), named after the position's so that every call of a captured step derives its value."""
+  assert size in CHUNK_SIZES, size
+  var, val = pos.unbind()
+  return UOp.variable(f"{var.expr}_chunks{size}", 1, int(var.vmax) // size + 1).bind(val // size + 1)
+
+def derived_variables_on() -> bool: return os.environ.get("TG_DS4_ATTENTION_CHUNKS", "1") != "0" and internals_match()
+
+def install_derived_variables() -> None:
+  """The JIT's inputs with every chunk_count variable added: a captured step binds only the variables it is given."""
+  if getattr(tinygrad_jit._prepare_jit_inputs, "derives_chunks", False): return
+  orig = tinygrad_jit._prepare_jit_inputs
+  def prepare(args, kwargs):
+    bufs, var_vals, names, info = orig(args, kwargs)
+    for name, val in list(var_vals.items()): var_vals.update({f"{name}_chunks{c}": val // c + 1 for c in CHUNK_SIZES})
+    return bufs, var_vals, names, info
+  prepare.derives_chunks = True
+  tinygrad_jit._prepare_jit_inputs = prepare
+
 def fast_replay_on() -> bool: return os.environ.get("TG_DS4_FAST_REPLAY", "1") != "0" and internals_match()
 
 def fast_schedule_on() -> bool: return os.environ.get("TG_DS4_FAST_SCHEDULE", "1") != "0" and internals_match()

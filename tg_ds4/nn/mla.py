@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from tinygrad import Device, Tensor, UOp, dtypes
 
+from tg_ds4.backend import compat
 from tg_ds4.backend.buffers import zeros
 from tg_ds4.config import ModelConfig
 from tg_ds4.nn.cache_rows import Rows, slot_rows, store_rows
@@ -28,6 +29,21 @@ def causal_mask(T: int, start_pos: int | UOp, window: int = 0) -> Tensor | None:
   keep = ones.tril(start_pos)
   if window: keep = keep & ~ones.tril(start_pos - window)
   return keep.where(0.0, -3.4028234663852886e38)  # float32 min
+
+def chunked_attention(q: Tensor, cache: Tensor, slot: int | UOp, pos: UOp, C: int, L: int, scale: float) -> Tensor:
+  """One token's attention `[1, H, 1, L]` over rows [0, pos] of its slot of the latent `cache` `[slots, max_ctx, L+R]`,
+  read as a symbolic count of chunks of C rows (compat.chunk_count; the last one masked past `pos`): each reduction
+  over the rows is then over a chunk axis and a static C axis, which a GPU's threads can split (backend/gpu's
+  wide_reduce), where one loop over the symbolic rows leaves each head's softmax to one thread. Rows of the last
+  chunk past the cache's end read as zeros."""
+  n = compat.chunk_count(pos, C)
+  rows = cache[slot:slot + 1].pad(((0, 0), (0, C), (0, 0)))[:, :n * C].reshape(1, 1, n, C, cache.shape[-1])   # [1,1,n,C,L+R]
+  scores = (q.reshape(1, q.shape[1], 1, 1, -1) * rows).sum(-1, dtype=dtypes.float32) * scale                   # [1,H,n,C]
+  at = Tensor.arange(int(n.vmax)).to(cache.device)[:n].reshape(n, 1) * C + Tensor.arange(C).to(cache.device).reshape(1, C)  # row numbers
+  scores = (at <= pos).where(scores, -float("inf"))
+  e = (scores - scores.max((-2, -1), keepdim=True)).exp()
+  p = (e / e.sum((-2, -1), keepdim=True)).contiguous()
+  return (p.unsqueeze(-1) * rows[..., :L]).sum((-3, -2), dtype=dtypes.float32).unsqueeze(-2)               # [1,H,1,L]
 
 def _absorb(x: Tensor, w: Weight, gemm: bool = False) -> Tensor:
   """`linear(x, w)` for the absorb weights. A chunk unpacks each once to float32 (1-5 MB per layer), as nn/layers.py's
@@ -78,8 +94,12 @@ class MLA:
     cache, keys, o = store_rows(self.cache, self.new_rows(x, start_pos, rope), rows), self.stored_keys(x, rows, rope), []
     if (kernel := self.attention_kernel(rows)) is not None:  # each row's attention as one C kernel (nn/attention_kernel.py)
       o = [attention_kernel.attention(q[b].transpose(0, 1), cache, s, p, *kernel).transpose(0, 1).unsqueeze(0) for b, (s, p) in enumerate(rows)]
+    chunk = settings.current(self.cache.device).caps.attention_chunk if T == 1 and type(self).rows is MLA.rows else None
     for b, (s, p) in enumerate(rows if kernel is None else ()):  # each row over its own slot's rows (nn/cache_rows.py)
       one = (lambda t: t) if len(rows) == 1 else (lambda t: None if t is None else t[b:b + 1])
+      if chunk and isinstance(p, UOp):
+        o.append(chunked_attention(one(q), cache, s, p, chunk, L, cfg.kq_scale))
+        continue
       sh = shared if len(rows) == 1 or shared is None else shared.setdefault(("row", b), {})
       k, mask = self.rows(cache, keys, s, one(x), one(qr), p, rope, sh)                # [1,1,n,L+R], [T,n]
       # 8 lanes (one 256-bit accumulator); with 16, clang left V2-Lite's 576-wide scores scalar. A chunk's too: a plain
