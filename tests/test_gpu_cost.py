@@ -73,13 +73,13 @@ def test_the_prediction_adds_up(predicted):
 
 def test_another_checkout_runs_its_own_code(tmp_path):
   """--checkout runs that checkout's code, its steps and its decode loop: a copy of the package that leaves a mark when it
-  starts is the one run, and one whose per-token step sleeps 20 ms has that much more host work timed a step."""
+  starts is the one run, and one whose decode steps sleep 20 ms each has that much more host work timed a step."""
   shutil.copytree(ROOT / "tg_ds4", tmp_path / "tg_ds4", ignore=shutil.ignore_patterns("__pycache__"))
   main = tmp_path / "tg_ds4" / "__main__.py"
   main.write_text("import os, pathlib; pathlib.Path(os.environ['GPU_COST_MARK']).write_text('ran')\n" + main.read_text())
   runner = tmp_path / "tg_ds4" / "runtime" / "runner.py"
   src = runner.read_text()
-  step = next(line for line in src.splitlines(keepends=True) if line.startswith("  def next_token("))
+  step = next(line for line in src.splitlines(keepends=True) if line.startswith("  def _where("))  # every decode step binds its position
   runner.write_text(src.replace(step, step + "    time.sleep(0.02)\n"))
   r = run_predict(checkout=tmp_path, env={"GPU_COST_MARK": str(tmp_path / "mark")})
   assert r.returncode == 0, r.stderr[-3000:]
@@ -98,7 +98,7 @@ def test_measurement_files_are_read_as_written(tmp_path):
                                     "rounds": {"dram": 10, "l2": 1, "alu": 0}, "instructions": 100, "flops": 10, "tc_flops": 0,
                                     "bytes": {"1:load": 1 << 20}} for i, op in enumerate(["norm", "experts", "experts"])]}
   gpu_cost.write_measurement(p := tmp_path / "h100-x-test.csv", gpu_cost.measurement_rows(step, measured_us=[5.0, 7.0, 8.0], step_us=40.0,
-                                                                                          host_python_us=12.0))
+                                                                                          host=(12.0, 1)))
   assert [r["kind"] for r in csv.DictReader(open(p))] == ["kernel"] * 3 + ["step", "host"]
   res = gpu_cost.check_measurement(p, gpu_cost.H100)
   assert res["classes"]["experts"][1] == 15.0 and res["classes"]["norm"][1] == 5.0 and res["step"][1] == 40.0

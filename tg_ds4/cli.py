@@ -257,13 +257,13 @@ def _predict(args, path) -> int:
   if args.checkout and not (pathlib.Path(args.checkout) / "tg_ds4" / "__main__.py").is_file():
     raise UsageError(f"--checkout {args.checkout}: not a checkout of tg_ds4 (no tg_ds4/__main__.py there)")
   _open(args)  # a file that cannot be loaded says so here, in one line
-  if args.host_us is not None and args.host_us < 0: raise UsageError("--host-us must be >= 0")
+  if (args.host_us is not None and args.host_us < 0) or args.run_ahead < 1: raise UsageError("--host-us must be >= 0, --run-ahead >= 1")
   try:
     rec = gpu_cost.record(str(path), args.checkout, args.prefill, args.parallel, args.pos)
-    host = gpu_cost.host_us(str(path), args.checkout, args.parallel) if args.host_us is None else args.host_us
+    host, ahead = gpu_cost.host_us(str(path), args.checkout, args.parallel) if args.host_us is None else (args.host_us, args.run_ahead)
   except RuntimeError as e: raise UsageError(str(e)) from None
   res = {"model": args.model, "file": str(path), "checkout": args.checkout or "",
-         **gpu_cost.predict(rec, gpu_cost.HARDWARE[args.predict], str(path), host)}
+         **gpu_cost.predict(rec, gpu_cost.HARDWARE[args.predict], str(path), host, ahead)}
   if args.out:
     for p in gpu_cost.write(res, pathlib.Path(args.out), pathlib.Path(path).stem): print(f"wrote {p}", file=sys.stderr)
   print(json.dumps(res, indent=1) if args.json else gpu_cost.format_text(res))
@@ -419,6 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument("--checkout", help="with --predict: the steps of another checkout of this project (a git worktree), run by its own code")
   s.add_argument("--host-us", type=float, help="with --predict: the host's Python work a decode step, in us (default: timed here, the "
                  "checkout's own bench on tinygrad's NULL device)")
+  s.add_argument("--run-ahead", type=int, default=1, help="with --host-us: decode steps its loop launches before it waits for them")
   s.set_defaults(fn=cmd_profile)
   s = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server (one inference worker, streaming, prefix KV reuse)")
   s.add_argument("-m", "--model", default="smollm2", help="a .gguf file, a Hugging Face checkpoint folder or a short model name (default smollm2)")

@@ -37,9 +37,10 @@ def chunked_attention(q: Tensor, cache: Tensor, slot: int | UOp, pos: UOp, C: in
   wide_reduce), where one loop over the symbolic rows leaves each head's softmax to one thread. Rows of the last
   chunk past the cache's end read as zeros."""
   n = compat.chunk_count(pos, C)
-  rows = cache[slot:slot + 1].pad(((0, 0), (0, C), (0, 0)))[:, :n * C].reshape(1, 1, n, C, cache.shape[-1])   # [1,1,n,C,L+R]
-  scores = (q.reshape(1, q.shape[1], 1, 1, -1) * rows).sum(-1, dtype=dtypes.float32) * scale                   # [1,H,n,C]
   at = Tensor.arange(int(n.vmax)).to(cache.device)[:n].reshape(n, 1) * C + Tensor.arange(C).to(cache.device).reshape(1, C)  # row numbers
+  # rows past pos masked where they are loaded: the loads under the mask read nothing
+  rows = (at <= pos).unsqueeze(-1).where(cache[slot:slot + 1].pad(((0, 0), (0, C), (0, 0)))[:, :n * C].reshape(1, 1, n, C, cache.shape[-1]), 0)
+  scores = (q.reshape(1, q.shape[1], 1, 1, -1) * rows).sum(-1, dtype=dtypes.float32) * scale                   # [1,H,n,C]
   scores = (at <= pos).where(scores, -float("inf"))
   e = (scores - scores.max((-2, -1), keepdim=True)).exp()
   p = (e / e.sum((-2, -1), keepdim=True)).contiguous()

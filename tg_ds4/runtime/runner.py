@@ -31,9 +31,9 @@ from math import prod
 import numpy as np
 from tinygrad import Context, Device, Tensor, UOp, dtypes
 
-from tg_ds4.backend import compat, prepare_device
-from tg_ds4.backend.buffers import host_array
-from tg_ds4.backend.compat import Buffer, _to_np_dtype
+from tg_ds4.backend import compat, on_cpu, prepare_device
+from tg_ds4.backend.buffers import host_array, zeros
+from tg_ds4.backend.compat import Buffer, _to_np_dtype, copy_in, copy_out
 from tg_ds4.io.gguf import GGUFFile
 from tg_ds4.io.hf_folder import open_model
 from tg_ds4.models.families import Model, load_model
@@ -112,6 +112,7 @@ GREEDY = SamplingParams()
 FEED_TOKENS = 12  # a prompt tail this short goes through the per-token step, not a padded prefill chunk (module docstring)
 
 BATCHES = (1, 2, 4, 8)  # rows of the captured batched steps: a batch of n sequences runs in the smallest that holds n
+RUN_AHEAD = 4  # greedy steps launched at a time on a device that runs them asynchronously (`steps`)
 
 class Runner:
   def __init__(self, model: Model, step_cache: stepcache.StepCache | None = None, device: str | None = None):
@@ -125,6 +126,11 @@ class Runner:
     self._slot = lambda s, name="slot": UOp.variable(name, 0, model.slots - 1).bind(s)
     # a variable: the embedding reads one row
     self._tok = lambda t, name="token": UOp.variable(name, 0, model.cfg.n_vocab - 1).bind(t)
+    # greedy generation on a device that runs launched steps asynchronously (a GPU; NULL, to time the host's share)
+    # launches RUN_AHEAD steps before it reads their tokens (`steps`): each step reads its token from `_ids` and writes
+    # the next one there, so the host never waits for a step before it launches the next
+    self.run_ahead = RUN_AHEAD if model.slots == 1 and not on_cpu(self.device) and compat.internals_match() else 1
+    self._ids: Tensor | None = None  # [1, max_ctx + 1] int32: the token at each position of a run-ahead generation
 
   def _where(self, pos: int, slot: int = 0) -> tuple[UOp, ...]:
     """Where a single-sequence forward starts, as step inputs: a symbolic position, and a symbolic slot when the model
@@ -175,6 +181,17 @@ class Runner:
       Tensor.realize(nxt, logits)
       return nxt, logits
     return self._step(name, step)
+
+  def _chained_step(self) -> Jit:
+    """The per-token greedy forward of a run-ahead generation: the token at the step's position read from `_ids` on the
+    device, its greedy successor written to the next position there."""
+    if (j := self._jits.get("chained")) is not None: return j
+    ids = self._ids
+    def step(*where):
+      pos = where[0]
+      nxt = greedy(self.model.forward(ids[:, pos:pos + 1], self._start(*where), last_only=True)[:, -1])
+      return ids[:, pos + 1:pos + 2].assign(nxt).realize()
+    return self._step("chained", step)
 
   def _greedy_step(self) -> Jit:
     """The per-token forward: one token at a symbolic position (and slot) -> (its greedy next id `[1, 1]`, the logits
@@ -431,7 +448,9 @@ class Runner:
   def steps(self, prompt: list[int], max_new: int, params: SamplingParams = GREEDY, stop: set[int] = frozenset(),
             start_pos: int = 0, logprobs: int | None = None) -> Iterator[Step]:
     """`generate` yielding Steps; `logprobs` = k (0..20) adds each token's logprob and the k most likely alternatives,
-    computed inside the captured step. A caller that stops resuming the iterator cancels the rest (nothing runs ahead)."""
+    computed inside the captured step. A caller that stops resuming the iterator cancels the rest: nothing runs ahead,
+    but for a greedy generation without logprobs on a device that runs steps asynchronously, which launches `run_ahead`
+    steps before it reads their tokens (their cache rows past a stop are never counted as cached)."""
     max_new = self.begin(prompt, max_new, start_pos)
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS: raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
     seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
@@ -441,6 +460,9 @@ class Runner:
     st, n = self.stats, len(prompt)
     t0 = time.perf_counter()
     tok = self.first_token(prompt, start_pos, params, sampling(0), k)
+    if self.run_ahead > 1 and params.greedy and logprobs is None:
+      yield from self._run_ahead(int(host_array(tok).item()), n, max_new, stop, t0)
+      return
     for i in range(max_new):
       s = Step(int(host_array(tok).item())) if logprobs is None else Step.from_row(host_array(tok)[0], k, logprobs)
       # the clocks read once the token is on the host: a GPU runs the launched steps asynchronously
@@ -449,6 +471,29 @@ class Runner:
       yield s
       if s.token in stop or i == max_new - 1: break
       tok = self.next_token(s.token, n + i, params, sampling(i + 1), k)  # writes the cache row of s.token
+
+  def _run_ahead(self, first: int, n: int, max_new: int, stop: set[int], t0: float) -> Iterator[Step]:
+    """`steps`' greedy generation after the first new token `first` (at position n): `run_ahead` chained steps launched,
+    then their tokens read back in one copy, and so on."""
+    st = self.stats
+    st.prefill_s = st.first_token_s = (t1 := time.perf_counter()) - t0
+    st.generated = 1
+    yield Step(first)
+    if first in stop or max_new == 1: return
+    if self._ids is None: self._ids = zeros((1, self.model.max_ctx + 1), dtypes.int32, self.device)
+    buf = self._ids.uop.base.buffer
+    copy_in(Buffer(buf.device, 1, dtypes.int32, base=buf, offset=n * 4).ensure_allocated(), memoryview(np.array([first], np.int32)).cast("B"))
+    step, prev, i = self._chained_step(), first, 1
+    while i < max_new:
+      m = min(self.run_ahead, max_new - i)
+      for j in range(m): step(*self._where(n + i - 1 + j))
+      got = np.frombuffer(copy_out(Buffer(buf.device, m, dtypes.int32, base=buf, offset=(n + i) * 4).ensure_allocated()), np.int32)
+      for t in map(int, got):
+        self._wrote(prev, n + i - 1)  # the row of the token the step fed
+        st.generated, st.decode_s = st.generated + 1, time.perf_counter() - t1
+        yield Step(t)
+        if t in stop or (i := i + 1) == max_new: return
+        prev = t
 
   def warm_steps(self) -> list[tuple[str, Callable[[], object]]]:
     """Every captured step generation can take for a request without logprobs, as (name, run it once): the prefill
@@ -468,7 +513,8 @@ class Runner:
                   ("head-sample", lambda chunk=chunk: (out := chunk(), self.head(out, "sample")(out, *sampled())))]
     if m.slots == 1:
       return steps + [("decode-greedy", lambda: self._per_token(0, 0, True, (), None)),
-                      ("decode-sample", lambda: self._per_token(0, 0, False, sampled(), None))]
+                      ("decode-sample", lambda: self._per_token(0, 0, False, sampled(), None))] + \
+        ([("decode-run-ahead", lambda: list(self._run_ahead(0, 0, 2, frozenset(), time.perf_counter())))] if self.run_ahead > 1 else [])
     for B in (b for b in BATCHES if b <= self.parallel):
       arrays = lambda B=B: (np.array([False] * B), np.ones(B, np.float32), np.zeros(B, np.int32), np.ones(B, np.float32),
                             np.zeros(B, np.float32), np.zeros((B, 2), np.uint32))

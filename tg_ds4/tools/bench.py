@@ -67,7 +67,10 @@ class TgSide:
       now = time.perf_counter()
       if last is not None: t.append(now - last)
       last = now
-    self.prefill.append(self.runner.stats.prefill_tps); self.steps += t
+    st = self.runner.stats
+    self.prefill.append(st.prefill_tps)
+    # a run-ahead generation (runtime/runner.py's steps) hands its tokens over in bursts: its rate is the whole decode's
+    self.steps += t if self.runner.run_ahead == 1 else [st.decode_s / max(st.generated - 1, 1)]
 
   def result(self) -> dict:
     # one more decode step with the counters on: what a replayed step launches and moves
@@ -76,7 +79,7 @@ class TgSide:
     step = statistics.median(self.steps)
     return {"prefill_tps": statistics.median(self.prefill), "decode_tps": 1 / step, "ms_per_token": 1000 * step,
             "kernels_per_step": GlobalCounters.kernel_count, "bytes_per_step": GlobalCounters.global_mem,
-            "gbps": GlobalCounters.global_mem / step / 1e9, "peak_rss": peak_rss()}
+            "gbps": GlobalCounters.global_mem / step / 1e9, "peak_rss": peak_rss(), "run_ahead": self.runner.run_ahead}
 
 def bench_parallel(path, prompt: list[int], gen: int, repeat: int, n: int, numerics: str = settings.DEFAULT_NUMERICS) -> dict:
   """n requests at once through batch.Batcher (each its own rotation of the prompt, so no slot reuses another's

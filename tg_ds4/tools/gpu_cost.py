@@ -99,22 +99,24 @@ def active_bytes(path: str, rows: int = 1) -> int:
     else: total += info.nbytes
   return int(total)
 
-def host_us(model: str, checkout: str | None, parallel: int) -> float:
+def host_us(model: str, checkout: str | None, parallel: int) -> tuple[float, int]:
   """Microseconds of host work a decode step of the checkout's generation loop takes (a batched step of `parallel` rows
-  with parallel > 1): its own `bench` run on tinygrad's NULL device, where kernels and graphs are no-ops and a copy back
-  reads nothing, so what its clock measures is the Python of the loop: the captured step's replay, binding the
-  position and token, reading the token back."""
+  with parallel > 1), and how many steps that loop launches before it waits for them (runtime/runner.py's run-ahead;
+  1 where its bench does not say): its own `bench` run on tinygrad's NULL device, where kernels and graphs are no-ops
+  and a copy back reads nothing, so what its clock measures is the Python of the loop: the captured step's replay,
+  binding the position and token, reading the token back."""
   from tg_ds4.io.gguf import open_gguf
   gf = open_gguf(model)
   # the calibration's bench (128 prompt tokens, 64 generated) where the file's context holds it
   prompt, gen = (128, 64) if (gf.metadata.get(f"{gf.arch}.context_length") or 0) >= 200 else (16, 40)
-  cmd = [sys.executable, "-m", "tg_ds4", "bench", "-m", model, "--prompt-tokens", str(prompt), "--gen", str(gen), "--repeat", "3", "--json",
+  cmd = [sys.executable, "-m", "tg_ds4", "bench", "-m", model, "--prompt-tokens", str(prompt), "--gen", str(gen), "--repeat", "5", "--json",
          *(["--parallel", str(parallel)] if parallel > 1 else [])]
   env = {**os.environ, "DEV": "NULL", "NULL_ALLOW_COPYOUT": "1", "TG_DS4_STEP_CACHE": "0"}
   r = subprocess.run(cmd, cwd=checkout or REPO, env=env, capture_output=True, text=True)
   if r.returncode != 0: raise RuntimeError(f"timing the host's share on the NULL device failed ({' '.join(cmd[3:])}):\n{r.stderr.strip()[-2000:]}")
   out = json.loads(r.stdout)
-  return out["parallel"]["ms_per_step"] * 1e3 if parallel > 1 else out["tg_ds4"]["ms_per_token"] * 1e3
+  if parallel > 1: return out["parallel"]["ms_per_step"] * 1e3, 1
+  return out["tg_ds4"]["ms_per_token"] * 1e3, out["tg_ds4"].get("run_ahead", 1)
 
 def record(model: str, checkout: str | None, prefill: bool, parallel: int, pos: int | None) -> dict:
   """The recorded kernels of a checkout's profiled steps (tools/gpu_record.py in a process of its own)."""
@@ -130,10 +132,13 @@ def record(model: str, checkout: str | None, prefill: bool, parallel: int, pos: 
       raise RuntimeError(f"lowering the steps for CUDA failed ({' '.join(cmd[3:])}):\n{r.stderr.strip()[-2000:]}")
     return json.loads(out.read_text())
 
-def predict(rec: dict, hw: Hardware, model: str, host_python_us: float) -> dict:
+def predict(rec: dict, hw: Hardware, model: str, host_python_us: float, run_ahead: int = 1) -> dict:
   """Per-kernel and whole-step predictions for every recorded step; `host_python_us`: the host's Python work a step
-  (`host_us`), to which the fitted rest of the host's share is added."""
-  res = {"hardware": asdict(hw), "renderer": rec["renderer"], "host_python_us": host_python_us, "host_us": host_python_us + hw.host_sync_us}
+  (`host_us`), to which the fitted rest of the host's share is added. A decode loop that launches `run_ahead` > 1 steps
+  before it waits for them overlaps its Python with the GPU's kernels, and waits once for all of them: a decode step is
+  then max(kernels, Python) + the fitted wait over run_ahead."""
+  res = {"hardware": asdict(hw), "renderer": rec["renderer"], "host_python_us": host_python_us, "run_ahead": run_ahead,
+         "host_us": host_python_us + hw.host_sync_us}
   for step, s in rec["steps"].items():
     kernels = []
     def named(k: dict, key: str) -> str: return k["buffers"].get(key.split(":")[0], "")
@@ -146,7 +151,9 @@ def predict(rec: dict, hw: Hardware, model: str, host_python_us: float) -> dict:
                       "weight_bytes": sum(b for key, b in k["bytes"].items() if is_weight(named(k, key))),
                       "cache_bytes": sum(b for key, b in k["bytes"].items() if is_state(named(k, key)) and key.endswith("load"))})
     rows = s["tokens"]
-    step_s = sum(k["time_s"] for k in kernels) + res["host_us"] * 1e-6
+    kernel_s = sum(k["time_s"] for k in kernels)
+    if step == "decode" and run_ahead > 1: step_s = max(kernel_s, host_python_us * 1e-6) + hw.host_sync_us * 1e-6 / run_ahead
+    else: step_s = kernel_s + res["host_us"] * 1e-6
     by_op: dict = {}
     for k in kernels:
       o = by_op.setdefault(k["op"], {"time_s": 0.0, "alone_s": 0.0, "bytes": 0, "kernels": 0})
@@ -168,12 +175,14 @@ def predict(rec: dict, hw: Hardware, model: str, host_python_us: float) -> dict:
 
 def format_text(res: dict, top: int = 12) -> str:
   hw, lines = res["hardware"], []
+  overlap = f", overlapped: {res['run_ahead']} steps launched at a time" if res.get("run_ahead", 1) > 1 else ""
   for step in ("decode", "prefill"):
     if step not in res: continue
     r = res[step]
     lines.append(f"{step} on {hw['name']} (predicted from the CUDA lowering; {r['tokens']} token{'s' * (r['tokens'] > 1)} at position "
                  f"{r['position']}): {len(r['kernels'])} kernels, {r['step_s'] * 1e3:.3f} ms a step = {r['tokens_per_s']:,.0f} tok/s (kernels "
-                 f"{r['kernel_time_s'] * 1e3:.3f} ms in a graph + host {res['host_us']:.0f} us; launched alone {r['alone_time_s'] * 1e3:.3f} ms)")
+                 f"{r['kernel_time_s'] * 1e3:.3f} ms in a graph + host {res['host_us']:.0f} us{overlap if step == 'decode' else ''}; "
+                 f"launched alone {r['alone_time_s'] * 1e3:.3f} ms)")
     need = r["active_bytes"] + r["kv_bytes"]
     lines.append(f"  bytes a step {r['bytes_per_step'] / 1e6:,.1f} MB = {r['bytes_per_step'] / need:.2f}x the active weights "
                  f"{r['active_bytes'] / 1e6:,.1f} MB + KV read {r['kv_bytes'] / 1e6:,.2f} MB (weights read {r['weight_bytes'] / 1e6:,.1f} MB); "
@@ -221,9 +230,10 @@ MEASURED_FIELDS = ["kind", "index", "block", "op", "name", "tokens", "global", "
                    "instructions", "sectors", "flops", "tc_flops", "bytes", "measured_us"]
 
 def measurement_rows(step: dict, measured_us: list | None = None, classes_us: dict | None = None, step_us: float | None = None,
-                     host_python_us: float | None = None) -> list[dict]:
+                     host: tuple[float, int] | None = None) -> list[dict]:
   """CSV rows for one recorded step (gpu_record's `steps[...]`): a row per kernel, a row per measured op class, one for the
-  step, and one for the host's Python work a step (`host_us`, named by the CPU that timed it)."""
+  step, and one for the host's Python work a step and its loop's run-ahead (`host_us`; named by the CPU that timed it,
+  the run-ahead in its tokens field)."""
   rows = []
   for i, k in enumerate(step["kernels"]):
     rows.append({"kind": "kernel", "index": i, "block": k["block"], "op": k["op"], "name": k["name"], "global": "x".join(map(str, k["global"])),
@@ -233,7 +243,7 @@ def measurement_rows(step: dict, measured_us: list | None = None, classes_us: di
                  "measured_us": "" if measured_us is None else f"{measured_us[i]:.2f}"})
   rows += [{"kind": "class", "op": op, "measured_us": f"{us:.1f}"} for op, us in (classes_us or {}).items()]
   if step_us is not None: rows.append({"kind": "step", "tokens": step["tokens"], "measured_us": f"{step_us:.1f}"})
-  if host_python_us is not None: rows.append({"kind": "host", "name": f"NULL device on {cpu_name()}", "measured_us": f"{host_python_us:.1f}"})
+  if host is not None: rows.append({"kind": "host", "name": f"NULL device on {cpu_name()}", "tokens": host[1], "measured_us": f"{host[0]:.1f}"})
   return rows
 
 def cpu_name() -> str:
@@ -265,8 +275,11 @@ def check_measurement(path: pathlib.Path, hw: Hardware) -> dict:
     if op not in classes and (m := alone_us(op))[1] is not None: classes[op] = m
   out = {"classes": classes}
   step = next((r for r in rows if r["kind"] == "step"), None)
-  host = next((float(r["measured_us"]) for r in rows if r["kind"] == "host"), None)
+  host = next((r for r in rows if r["kind"] == "host"), None)
   if step and host is None: raise ValueError(f"{path}: a step's measured time without the host's Python work a step (a 'host' row)")
-  out["step"] = (sum(kernel_time(k, hw)["time_s"] for k in kernels) * 1e6 + hw.host_sync_us + host, float(step["measured_us"])) if step else None
+  if step:
+    kernels_us, python, ahead = sum(kernel_time(k, hw)["time_s"] for k in kernels) * 1e6, float(host["measured_us"]), int(host["tokens"] or 1)
+    predicted = max(kernels_us, python) + hw.host_sync_us / ahead if ahead > 1 else kernels_us + hw.host_sync_us + python
+  out["step"] = (predicted, float(step["measured_us"])) if step else None
   out["tokens"] = int(step["tokens"]) if step else None
   return out
