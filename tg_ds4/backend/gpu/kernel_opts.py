@@ -8,9 +8,11 @@ apart, and small masked axes are upcast whole. For the gathered expert GEMVs (th
 experts) that gave 384 accumulators a thread and 11 workgroups of 32 threads for the whole GPU.
 
 Here such a kernel gets up to `THREADS` threads per row on the axis of its outer reduce (tinygrad groups only a reduce
-that is not nested in another; in a packed dot that is the axis along a block's bytes, so adjacent threads read
-adjacent bytes and a warp reads whole runs of a row), their partial sums meeting in shared memory, and `WORKGROUP`
-threads per workgroup over several rows. Only GEMVs: a kernel whose output axes all move the weight and whose largest
+that is not nested in another), their partial sums meeting in shared memory, and `WORKGROUP` threads per workgroup
+over several rows. In quant/formats.py's GPU form of a format with 32-value blocks the outer reduce is over the blocks:
+each thread takes whole blocks (as many threads as divide the row's blocks, up to 32), its block's values unrolled
+(`UNROLL` at most), so it issues a block's loads at once and unpacks each byte once. In the CPU's lane form the outer
+reduce is along a block's bytes: adjacent threads read adjacent bytes, each unpacking one byte of every block. Only GEMVs: a kernel whose output axes all move the weight and whose largest
 buffer is packed bytes, or a batched step's GEMV, whose token axis (at most `ROWS` rows) is upcast first, so each thread
 unpacks a weight byte once for every row (left to tinygrad, each thread walked whole rows as above). Everything else
 keeps tinygrad's choices. (Measured on an H200: README, GPU.)
