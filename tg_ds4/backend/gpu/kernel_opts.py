@@ -12,9 +12,10 @@ that is not nested in another), their partial sums meeting in shared memory, and
 over several rows. In quant/formats.py's GPU form of a format with 32-value blocks the outer reduce is over the blocks:
 each thread takes whole blocks (as many threads as divide the row's blocks, up to 32), its block's values unrolled
 (`UNROLL` at most), so it issues a block's loads at once and unpacks each byte once. In the CPU's lane form the outer
-reduce is along a block's bytes: adjacent threads read adjacent bytes, each unpacking one byte of every block. Only GEMVs: a kernel whose output axes all move the weight and whose largest
-buffer is packed bytes, or a batched step's GEMV, whose token axis (at most `ROWS` rows) is upcast first, so each thread
-unpacks a weight byte once for every row (left to tinygrad, each thread walked whole rows as above). Everything else
+reduce is along a block's bytes: adjacent threads read adjacent bytes, each unpacking one byte of every block. Only
+GEMVs: a kernel whose output axes all move the weight and whose largest byte buffer is its packed weight, or a batched
+step's GEMV, whose token axis (at most `ROWS` rows) is upcast first, so each thread unpacks a weight byte once for every
+row (left to tinygrad, each thread walked whole rows as above). Everything else
 keeps tinygrad's choices. (Measured on an H200: README, GPU.)
 
 A reduction with few outputs over a long axis (a norm's sum of squares, deepseek4's hyper-connection mixes over 4
