@@ -48,7 +48,7 @@ def calibration(checkout: str, out_dir: pathlib.Path) -> None:
     if not model.exists(): subprocess.run([sys.executable, str(REPO / "profiles/make_bench_model.py"), preset, "--layers", str(layers)], check=True)
     step = gpu_cost.record(str(model), checkout, False, parallel, None)["steps"]["decode"]
     rows = gpu_cost.measurement_rows(step, classes_us=m["classes"], step_us=parallel / m["decode_tps"] * 1e6,
-                                     host_python_us=gpu_cost.host_us(str(model), checkout, parallel))
+                                     host=gpu_cost.host_us(str(model), checkout, parallel))
     path = out_dir / f"h200-0e65eba-{model.stem}{f'-p{parallel}' if parallel > 1 else ''}.csv"
     gpu_cost.write_measurement(path, rows)
     print(f"wrote {path} ({len(step['kernels'])} kernels)")
@@ -61,7 +61,7 @@ def device(args) -> None:
   bench = json.loads(pathlib.Path(args.bench).read_text())
   tps = bench["parallel"]["aggregate_decode_tps"] if args.parallel > 1 else bench["tg_ds4"]["decode_tps"]
   rows = gpu_cost.measurement_rows(step, measured_us=[k["time_s"] * 1e6 for k in measured], step_us=args.parallel / tps * 1e6,
-                                   host_python_us=gpu_cost.host_us(args.model, None, args.parallel))  # on the GPU machine's own CPU
+                                   host=gpu_cost.host_us(args.model, None, args.parallel))  # on the GPU machine's own CPU
   gpu_cost.write_measurement(pathlib.Path(args.out), rows)
   print(f"wrote {args.out}")
 
