@@ -23,7 +23,7 @@ The runner remembers which token ids the caches hold (`cached`), so a caller can
 prefix with the previous request (`reusable`), and can save/restore the cache rows of a prefix (`kv_rows`/`load_kv_rows`)."""
 from __future__ import annotations
 
-import os, pathlib, time
+import functools, os, pathlib, time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from math import prod
@@ -122,10 +122,12 @@ class Runner:
     self._jits: dict[str, Jit] = {}
     # with several slots (nn/cache_rows.py) the last one is scratch: the rows a batched step pads with write there
     self.parallel = model.slots - 1 if model.slots > 1 else 1
-    self._pos = lambda p, name="start_pos": UOp.variable(name, 0, model.max_ctx - 1).bind(p)
-    self._slot = lambda s, name="slot": UOp.variable(name, 0, model.slots - 1).bind(s)
+    # each variable made once: a step binds a dozen (a 4-row batched step), and making a UOp costs ~20 us of Python
+    var = functools.cache(lambda name, hi: UOp.variable(name, 0, hi))
+    self._pos = lambda p, name="start_pos": var(name, model.max_ctx - 1).bind(p)
+    self._slot = lambda s, name="slot": var(name, model.slots - 1).bind(s)
     # a variable: the embedding reads one row
-    self._tok = lambda t, name="token": UOp.variable(name, 0, model.cfg.n_vocab - 1).bind(t)
+    self._tok = lambda t, name="token": var(name, model.cfg.n_vocab - 1).bind(t)
     # greedy generation on a device that runs launched steps asynchronously (a GPU; NULL, to time the host's share)
     # launches RUN_AHEAD steps before it reads their tokens (`steps`): each step reads its token from `_ids` and writes
     # the next one there, so the host never waits for a step before it launches the next
