@@ -33,15 +33,16 @@ def causal_mask(T: int, start_pos: int | UOp, window: int = 0) -> Tensor | None:
 def chunked_attention(q: Tensor, cache: Tensor, slot: int | UOp, pos: UOp, C: int, L: int, scale: float) -> Tensor:
   """One token's attention `[1, H, 1, L]` over rows [0, pos] of its slot of the latent `cache` `[slots, max_ctx, L+R]`,
   read as a symbolic count of chunks of C rows (compat.chunk_count; the last one masked past `pos`): each reduction
-  over the rows is then over a chunk axis and a static C axis, which a GPU's threads can split (backend/gpu's
-  wide_reduce), where one loop over the symbolic rows leaves each head's softmax to one thread. Rows of the last
-  chunk past the cache's end read as zeros."""
+  over the rows is then over a chunk axis and a static C axis, which tinygrad's heuristic splits over a GPU's threads,
+  where one loop over the symbolic rows left each head's softmax to one thread. Rows of the last chunk past the
+  cache's end read as zeros."""
   n = compat.chunk_count(pos, C)
   at = Tensor.arange(int(n.vmax)).to(cache.device)[:n].reshape(n, 1) * C + Tensor.arange(C).to(cache.device).reshape(1, C)  # row numbers
+  keep = at <= pos
   # rows past pos masked where they are loaded: the loads under the mask read nothing
-  rows = (at <= pos).unsqueeze(-1).where(cache[slot:slot + 1].pad(((0, 0), (0, C), (0, 0)))[:, :n * C].reshape(1, 1, n, C, cache.shape[-1]), 0)
+  rows = keep.unsqueeze(-1).where(cache[slot:slot + 1].pad(((0, 0), (0, C), (0, 0)))[:, :n * C].reshape(1, 1, n, C, cache.shape[-1]), 0)
   scores = (q.reshape(1, q.shape[1], 1, 1, -1) * rows).sum(-1, dtype=dtypes.float32) * scale                   # [1,H,n,C]
-  scores = (at <= pos).where(scores, -float("inf"))
+  scores = keep.where(scores, -float("inf"))
   e = (scores - scores.max((-2, -1), keepdim=True)).exp()
   p = (e / e.sum((-2, -1), keepdim=True)).contiguous()
   return (p.unsqueeze(-1) * rows[..., :L]).sum((-3, -2), dtype=dtypes.float32).unsqueeze(-2)               # [1,H,1,L]
