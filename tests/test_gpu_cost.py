@@ -104,3 +104,31 @@ def test_measurement_files_are_read_as_written(tmp_path):
   assert res["classes"]["experts"][1] == 15.0 and res["classes"]["norm"][1] == 5.0 and res["step"][1] == 40.0
   kernels = sum(gpu_cost.kernel_time(k, gpu_cost.H100)["time_s"] for k in step["kernels"]) * 1e6
   assert res["step"][0] == pytest.approx(kernels + 12.0 + gpu_cost.H100.host_sync_us)  # the host's share: timed + fitted
+
+PIPES_SCRIPT = """
+import json
+from tg_ds4.backend import compat
+compat.lowering_target("NULL:CUDA:sm_90")
+from tinygrad import Tensor, dtypes
+from tg_ds4.backend.compat import Ops
+from tg_ds4.tools import gpu_record
+def slots(t):  # issue slots a value of the one kernel of t
+  (prg,) = [c.src[0] for c in compat.realize.compile_linear(Tensor.linear_with_vars(t)[0]).src if c.src[0].op is Ops.PROGRAM]
+  f = gpu_record.features(prg, (), frozenset(), {})
+  return f["instructions"] * prg.arg.global_size[0] * prg.arg.local_size[0] / t.numel()
+n = 1 << 20
+print(json.dumps({"convert": slots(Tensor.empty(n, dtype=dtypes.uint8).cast(dtypes.float32)), "add": slots(Tensor.empty(n) + 1.0),
+                  "bits": slots((Tensor.empty(n, dtype=dtypes.uint8).cast(dtypes.uint32) | 0x4B000000).bitcast(dtypes.float32) - 2.0 ** 23)}))
+"""
+
+def test_conversions_take_the_slots_of_their_pipe():
+  """An NVIDIA SM converts 16 values a clock against 128 FP32 adds (tools/gpu_record.py PIPES): a kernel that converts
+  each byte to float takes 8 slots a value, over 3x what one that adds to each float takes (bound by its loads and
+  stores, 4 slots a warp instruction), and building the float from the byte's bits (an or and a subtract: its byte
+  loads bind it) takes fewer than the conversion. Counted as one slot an instruction, the conversion costs about the
+  add and less than the bits."""
+  r = subprocess.run([sys.executable, "-c", PIPES_SCRIPT], capture_output=True, text=True, timeout=300,
+                     env={**os.environ, "DEV": "NULL:CUDA:sm_90", "PYTHONPATH": str(ROOT)})
+  assert r.returncode == 0, r.stderr[-3000:]
+  s = json.loads(r.stdout.strip().splitlines()[-1])
+  assert s["convert"] == 8 and s["convert"] >= 3 * s["add"] and s["bits"] < s["convert"], s

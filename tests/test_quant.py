@@ -91,6 +91,41 @@ def test_dequant_matches_gguf(qt):
   elif qt.name in EXACT: np.testing.assert_array_equal(got.astype(np.float32).view(np.uint32), ref.view(np.uint32))
   else: np.testing.assert_array_max_ulp(got, ref, maxulp=1)
 
+FLOAT_BITS = ("Q4_0", "Q4_1", "Q8_0")  # quant/formats.py small_float: the codes of these become floats through their bits
+
+@pytest.mark.parametrize("name", FLOAT_BITS)
+def test_codes_through_their_bits_on_a_gpu(name):
+  """On a GPU renderer (DEV=PYTHON's, Capabilities.float_bits) the codes become float32 through their bits, 2**23 + q
+  less 2**23 - c: every code (all 16 nibbles, all 256 int8 bytes) dequantizes to gguf-py's value bit for bit. A wrong
+  offset or a signed byte read unsigned gives other values."""
+  from tg_ds4 import backend
+  qt = QTYPE_BY_NAME[name]
+  assert backend.capabilities("PYTHON").float_bits and not backend.capabilities("CPU").float_bits
+  b = rand_blocks(qt, (4,), 2, np.random.default_rng(qt.id))
+  codes = np.arange(256, dtype=np.uint8).reshape(8, 32)
+  qs = (2, 34) if name == "Q8_0" else (2, 18) if name == "Q4_0" else (4, 20)
+  b.reshape(8, qt.nbytes)[:, qs[0]:qs[1]] = codes[:, :qs[1] - qs[0]]
+  got = dequantize(Tensor(b, device="PYTHON"), qt).numpy()
+  np.testing.assert_array_equal(got.view(np.uint32), reference(qt, b).view(np.uint32))
+
+@pytest.mark.parametrize("name,rows", [("Q4_0", 1), ("Q8_0", 3)])
+def test_packed_gemv_multiplies_in_float32_on_a_gpu(name, rows):
+  """A packed GEMV on a GPU renderer multiplies in float32 even where the device's matmuls take half inputs (its
+  dequantized values live only in registers): no kernel of it does half arithmetic (the emulator computes half in
+  float32, so only the kernels can tell), and it is within float32 rounding of a float64 product."""
+  from tinygrad.uop.ops import GroupOp, Ops
+  from tg_ds4.quant import settings
+  qt, rng = QTYPE_BY_NAME[name], np.random.default_rng(11)
+  b = rand_blocks(qt, (48,), 8, rng)
+  x = rng.standard_normal((1, rows, 8 * qt.block)).astype(np.float32)
+  ref = x.astype(np.float64) @ reference(qt, b).reshape(48, -1).T.astype(np.float64)
+  with settings.Settings.for_model("PYTHON").active() as s:
+    assert s.matmul == dtypes.float16
+    y, y2 = [linear(Tensor(x, device="PYTHON"), QTensor(Tensor(b, device="PYTHON"), qt, (48, 8 * qt.block))) for _ in range(2)]
+  sinks = [c.src[0] for c in y2.linear_with_vars()[0].src if c.op is Ops.CALL and c.src[0].op is Ops.SINK]  # (schedules y2 once)
+  assert sinks and not [u.op for k in sinks for u in k.toposort() if u.op in GroupOp.ALU and u.dtype == dtypes.float16]
+  np.testing.assert_allclose(y.numpy(), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
 def test_q5_0_as_q8_0_same_values():
   """The CPU re-encoding of Q5_0 weights (models/widen.py) keeps every value: gguf-py's Q5_0 dequantization of the
   original bytes equals its Q8_0 dequantization of the new ones, bit for bit."""

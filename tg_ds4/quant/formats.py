@@ -137,6 +137,13 @@ class Packed:
     if tab.ndim == 2: tab = tab.transpose(0, 1).reshape(*(tab.shape[1] if a == axis else 1 for a in self.lay.order), tab.shape[0])
     return (codes == Tensor.arange(tab.shape[-1])).where(tab, 0).sum(-1, dtype=tab.dtype)
 
+def _bits(t: Tensor) -> bool: return settings.current(t.device).caps.float_bits
+
+def small_float(u: Tensor, c: float = 0.0) -> Tensor:
+  """float32(u + c) for unsigned integer codes u < 2**23, through their bits (where Capabilities.float_bits): the float
+  whose bits are 0x4B000000 | u is 2**23 + u exactly, so an or and an exact subtract take the place of a conversion."""
+  return (u.cast(dtypes.uint32) | 0x4B000000).bitcast(dtypes.float32) - (2.0 ** 23 - c)
+
 Affine = tuple[Tensor, Tensor, float]  # (d, q, c): value = d * (q + c), one d per block (QuantType.affine)
 
 def _pick(i: Tensor, opts: list[Tensor]) -> Tensor:
@@ -165,8 +172,9 @@ def _bf16(p: Packed) -> Tensor:
 # Q4_0/Q4_1: d [m] qs[16]. element p*16 + i = nibble p of qs[i]
 Q4 = Layout("p i", p=2, i=16)
 def _nib(p: Packed, off: int) -> Tensor: return (p.field(off, 16, "i") >> p.lay.const("p", (0, 4))) & 0xF
-def _q4_0(p: Packed) -> Tensor: return p.f16(0) * (_nib(p, 2).cast(dtypes.int8) - 8).cast(dtypes.float32)
-def _q4_1(p: Packed) -> Tensor: return p.f16(0) * _nib(p, 4).cast(dtypes.float32) + p.f16(2)
+def _q4_0(p: Packed) -> Tensor:
+  return p.f16(0) * (small_float(n, -8) if _bits(n := _nib(p, 2)) else (n.cast(dtypes.int8) - 8).cast(dtypes.float32))
+def _q4_1(p: Packed) -> Tensor: return p.f16(0) * (small_float(n) if _bits(n := _nib(p, 4)) else n.cast(dtypes.float32)) + p.f16(2)
 def _q4_0_affine(p: Packed, b: Packed) -> Affine: return b.f16(0), _nib(p, 2).cast(dtypes.float32), -8.0
 
 # Q5_0/Q5_1: d [m] qh(u32) qs[16]. element p*16 + l: nibble p of qs[l], 5th bit = bit p*16+l of qh
@@ -182,7 +190,9 @@ def _q5_0(p: Packed) -> Tensor: return p.f16(0) * (_q5(p, 2) - 16)
 def _q5_1(p: Packed) -> Tensor: return p.f16(0) * _q5(p, 4) + p.f16(2)
 
 Q8 = Layout("i", i=32)
-def _q8_0(p: Packed) -> Tensor: return p.field(2, 32, "i", dtypes.int8).cast(dtypes.float32) * p.f16(0)
+def _q8_0(p: Packed) -> Tensor:
+  if _bits(p.blocks): return small_float(p.field(2, 32, "i") ^ 0x80, -128) * p.f16(0)  # int8 v as the byte v + 128
+  return p.field(2, 32, "i", dtypes.int8).cast(dtypes.float32) * p.f16(0)
 def _q8_0_affine(p: Packed, b: Packed) -> Affine: return b.f16(0), p.field(2, 32, "i", dtypes.int8).cast(dtypes.float32), 0.0
 
 # Q2_K: scales[16] qs[64] d dmin. element h*128 + s*32 + lh*16 + ll: 2-bit plane s of qs[h*32+lh*16+ll], scale h*8+s*2+lh
@@ -518,12 +528,14 @@ def linear(x: Tensor, w: Weight, bias: Weight | None = None, dtype: DType | None
   if isinstance(w, QTensor) and (y := intdot.try_linear(x, w)) is not None: return y if bias is None else y + as_tensor(bias, f32)
   if isinstance(w, QTensor): x = round_activations(x, w.qtype.name)
   if isinstance(w, QTensor) and w.qtype.quantized:
-    lay, qt = w.qtype.layout, w.qtype
+    lay, qt, caps = w.qtype.layout, w.qtype, settings.current(w.device).caps
+    rows = prod(x.shape[:-2 - (w.ndim - 2)]) * x.shape[-2] if x.ndim >= 2 else 1  # per weight matrix: not the axes matching w's leading ones
+    gemv = isinstance(rows, int) and rows <= LANES_MAX_ROWS
+    if gemv and caps.float_bits: dtype = f32  # its dequantized values live in registers: half would save no bytes
     v, k = w.loaded(dtype), len(lay.order) + 1                                    # v: [*lead, out, nb, *layout]
     xl = lay.to_load(x.cast(dtype).reshape(*x.shape[:-1], w.shape[-1] // qt.block, qt.block))   # [..., nb, *layout]
-    rows = prod(x.shape[:-2 - (w.ndim - 2)]) * x.shape[-2] if x.ndim >= 2 else 1  # per weight matrix: not the axes matching w's leading ones
-    if not isinstance(rows, int) or rows > LANES_MAX_ROWS: y = xl.flatten(-k).matmul(v.flatten(-k).transpose(-1, -2), dtype=f32)
-    elif not settings.current(w.device).caps.gemv_lanes and qt.block <= GPU_BLOCK:  # a GPU: each block's sum, then the blocks'
+    if not gemv: y = xl.flatten(-k).matmul(v.flatten(-k).transpose(-1, -2), dtype=f32)
+    elif not caps.gemv_lanes and qt.block <= GPU_BLOCK:  # a GPU: each block's sum, then the blocks'
       p = xl.unsqueeze(-k - 1) * v.unsqueeze(-k - 2)                              # [..., T, out, nb, *layout]
       y = p.sum(tuple(range(-k + 1, 0)), dtype=f32).sum(-1)
     else:

@@ -3,14 +3,14 @@ NVIDIA (`NULL:CUDA:sm_90`), on any machine.
 
 tools/gpu_record.py runs a checkout's own `profile` (this one's, or an older commit's with `--checkout`) with the CUDA
 renderer on tinygrad's NULL device and records every kernel of the profiled step: its launch (blocks, threads), the
-per-thread loop structure (how many dependent round trips to memory one thread makes), the instructions it issues,
-the bytes it moves (the footprint of its lowered index expressions) and its FLOPs. Each kernel's time is then
+per-thread loop structure (how many dependent round trips to memory one thread makes), the issue slots its
+instructions take (each weighted by its pipe's rate: a conversion takes 8 FMA slots, a load 4), the bytes it moves (the footprint of its lowered index expressions) and its FLOPs. Each kernel's time is then
 
     launch + max(round trips x latency x waves, bytes / bandwidth, instructions / issue rate, FLOPs / peak)
 
 A GPU hides latency only with threads in flight: a kernel whose threads each loop over a long row one load at a time
 (a norm or softmax on 16 threads) takes its chain of round trips however few bytes it reads; a GEMV that unpacks
-bytes one at a time is bound by how fast the SMs issue the instructions; a wide kernel of few instructions a byte
+bytes one at a time is bound by how fast the SMs issue the instructions (or convert the values); a wide kernel of few instructions a byte
 is bound by HBM. The step is the sum of its kernels in a CUDA graph plus the host's share of a step: the Python work
 of the checkout's own decode loop, timed by running its `bench` on tinygrad's NULL device (every kernel and the graph
 a no-op: what is left is the host), and the part no NULL run shows (the graph's launch on the GPU, waiting for it,
@@ -38,7 +38,8 @@ class Hardware:
   round_ns: float           # one dependent round trip to memory that a thread waits for, under load (fitted: H200)
   smem_round_ns: float      # a loop iteration that waits on shared memory (~30 cycles: Hopper microbenchmarks)
   alu_round_ns: float       # a loop iteration that waits on no memory: a few dependent ALU ops (~4 cycles each)
-  issue_fraction: float     # of the SMs' issue rate (4 schedulers x 32 lanes a clock) that tinygrad's kernels reach (fitted)
+  issue_fraction: float     # of the SMs' issue rate (4 schedulers x 32 lanes a clock) that tinygrad's kernels reach: the full
+                            # rate, with each instruction weighted by its pipe's rate (tools/gpu_record.py PIPES)
   fp32_tflops: float        # CUDA cores (dense FP32)
   tc_tflops: float          # tensor cores, FP16 inputs with FP32 accumulation (dense)
   host_sync_us: float       # the host's share of a step that a NULL run does not show: the graph's launch on the GPU,
@@ -48,10 +49,10 @@ class Hardware:
 
   def issue_per_s(self) -> float: return self.sms * 4 * 32 * self.clock_ghz * 1e9 * self.issue_fraction
 
-# The fitted constants (round_ns, issue_fraction, launch_alone_us, host_sync_us) come from the H200 measurements of the
+# The fitted constants (round_ns, launch_alone_us, host_sync_us) come from the H200 measurements of the
 # code at 0e65eba (docs/gpu.md "The cost model"); the H100 shares them but for its clock-independent memory system
 H200 = Hardware("NVIDIA H200", sms=132, clock_ghz=1.98, hbm_gbps=4800, bw_fraction=0.9, launch_us=2.5, launch_alone_us=8.0,
-                round_ns=100.0, smem_round_ns=15.0, alu_round_ns=4.0, issue_fraction=0.85, fp32_tflops=67, tc_tflops=990, host_sync_us=40.0)
+                round_ns=100.0, smem_round_ns=15.0, alu_round_ns=4.0, issue_fraction=1.0, fp32_tflops=67, tc_tflops=990, host_sync_us=40.0)
 H100 = replace(H200, name="NVIDIA H100 SXM", hbm_gbps=3350)
 HARDWARE = {"h200": H200, "h100": H100}
 

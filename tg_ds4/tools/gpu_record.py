@@ -25,6 +25,13 @@ if __name__ == "__main__":  # run as a script: its folder (tools/, with an inspe
 import contextlib, importlib, importlib.metadata, importlib.util, io, itertools, json, math, pathlib, re, runpy  # noqa: E402
 
 UNROLLED = 16  # constant loop trips NVRTC unrolls fully (innermost loops only)
+# What a thread's instructions cost in issue slots (an SM issues 4 x 32 lanes a clock, one warp instruction per scheduler):
+# every instruction takes one, and each pipe has its own rate, so a kernel takes the busier of its issue and its
+# busiest pipe, in FP32 lanes: NVIDIA's throughput table for compute capability 9.0 (CUDA C Programming Guide,
+# "Arithmetic Instructions": FP32 add, multiply, multiply-add 128 results a clock an SM; 32-bit integer add, logic,
+# shift, compare 64; type conversions and the special functions (exp2, log2, sin, rsqrt, reciprocal) 16) and the 32
+# LD/ST units of a Hopper SM (H100 architecture whitepaper), which take a warp's load or store of any width.
+PIPES = {"fp32": 1, "int": 2, "xu": 8, "lsu": 4}  # issue slots a lane's instruction takes of its pipe
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 def nvrtc_path() -> None:
@@ -131,6 +138,30 @@ def features(prg, vals: tuple, weight_slots: frozenset, buf_bytes: dict) -> dict
     if only(Ops.CDIV, Ops.FLOORDIV): return -(-n // min(v.src[1].arg for v in users))
     return n
   def depth(u) -> int: return max((i + 1 for i, r in enumerate(opened) if r in loops[u]), default=0)
+  users: dict = {}
+  for u in lin:
+    for s_ in u.src: users.setdefault(s_, []).append(u)
+  BITWISE, SPECIAL = (Ops.AND, Ops.OR, Ops.XOR), (Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT, Ops.RECIPROCAL)
+  def once(v, *ops) -> bool: return v.op in ops and len(users.get(v, ())) == 1
+  def pipe(u) -> tuple[str | None, int]:
+    """The pipe of `u` as NVRTC compiles it, and how many instructions: a load or store is one whatever its width (and
+    none from registers); casts between integer widths and bitcasts are register moves (the loads extend); a float add
+    of a product used once is the FMA's; a bitwise op of another used once is one LOP3; an integer constant added or
+    multiplied into an address only is the load's immediate offset."""
+    if u.op in (Ops.LOAD, Ops.STORE): return (None, 0) if getattr(u.src[0], "addrspace", None) is c.AddrSpace.REG else ("lsu", 1)
+    if u.op in (Ops.BARRIER, Ops.WMMA): return "fp32", 1
+    if u.op is Ops.BITCAST or u.op not in (*GroupOp.ALU, Ops.CAST): return None, 0
+    n = ev(u.max_numel())
+    if u.op is Ops.CAST: return ("xu", n) if dtypes.is_float(u.dtype) or dtypes.is_float(u.src[0].dtype) else (None, 0)
+    if dtypes.is_float(u.dtype) or (u.src and dtypes.is_float(u.src[0].dtype)):  # float math and float compares
+      if u.op in SPECIAL: return "xu", n
+      if u.op is Ops.ADD and any(once(v, Ops.MUL) and dtypes.is_float(v.dtype) for v in u.src): return None, 0
+      return "fp32", n
+    if u.op in (Ops.ADD, Ops.MUL) and any(v.op is Ops.CONST for v in u.src) and users.get(u) and all(v.op is Ops.INDEX for v in users[u]):
+      return None, 0
+    if u.op in BITWISE and any(once(v, *BITWISE) for v in u.src): return None, 0
+    return "int", n
+  pipes = dict.fromkeys(PIPES, 0)
   def runs(u) -> int: return math.prod(trip[r] for r in opened[:depth(u)])
   for u in lin:
     loops[u] = set().union(*(loops.get(s, ()) for s in u.src)) | ({u} if u.op is Ops.RANGE else set())
@@ -145,10 +176,7 @@ def features(prg, vals: tuple, weight_slots: frozenset, buf_bytes: dict) -> dict
           rounds["alu"] += n - round(n * w)  # the iterations whose gated loads read nothing
         opened.remove(r)
       continue
-    memory = u.op in (Ops.LOAD, Ops.STORE) and getattr(u.src[0], "addrspace", None) is not c.AddrSpace.REG
-    free_cast = u.op is Ops.CAST and dtypes.is_int(u.dtype) and dtypes.is_int(u.src[0].dtype) and u.dtype.itemsize == u.src[0].dtype.itemsize
-    if (u.op in GroupOp.ALU or u.op in (Ops.CAST, Ops.BITCAST, Ops.WMMA, Ops.BARRIER) or memory) and not free_cast:
-      insts += runs(u) * (ev(u.max_numel()) if u.op not in (Ops.STORE, Ops.BARRIER, Ops.WMMA) else 1)
+    if (p_ := pipe(u))[1]: insts, pipes[p_[0]] = insts + runs(u) * p_[1], pipes[p_[0]] + runs(u) * p_[1]
     if u.op is Ops.BARRIER: barriers += runs(u)
     elif u.op is Ops.WMMA: tc_flops += 2 * math.prod(u.arg[0]) // u.arg[3] * runs(u)
     elif u.op in GroupOp.ALU and dtypes.is_float(u.dtype): flops += runs(u) * ev(u.max_numel()) * (2 if u.op is Ops.MULACC else 1)
@@ -166,7 +194,8 @@ def features(prg, vals: tuple, weight_slots: frozenset, buf_bytes: dict) -> dict
     footprint[key] = min(footprint.get(key, 0) + int(math.prod(spans(d, idx.src[1]) for d in deps) * size * share), buf_bytes.get(slot, 1 << 62))
     if u.op is Ops.LOAD: wait(u, "dram" if slot in weight_slots else "l2", share)
   rounds[straight[0] if straight[0] in ("dram", "l2") else "l2"] += 1  # the code outside the loops: one round trip to memory at least
-  return {"rounds": rounds, "barriers": barriers, "instructions": insts, "sectors": transactions, "flops": flops, "tc_flops": tc_flops,
+  slots = max(insts, *(PIPES[p] * n for p, n in pipes.items()))
+  return {"rounds": rounds, "barriers": barriers, "instructions": slots, "sectors": transactions, "flops": flops, "tc_flops": tc_flops,
           "bytes": {f"{s}:{k}": b for (s, k), b in footprint.items()}}
 
 class Recorder:
