@@ -79,8 +79,8 @@ INT_DOT_FORMATS = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "IQ
 
 def capabilities(device: str | None = None) -> Capabilities:
   """`device`'s capabilities under the current TG_DS4_* knobs: `TG_DS4_AFFINE_GEMV=0`, `TG_DS4_EXPERT_TILES=0`,
-  `TG_DS4_INT_DOT=0`, `TG_DS4_INT_GEMM=0`, `TG_DS4_GEMV_BLOCKS=0`, `TG_DS4_FLOAT_BITS=0`, `TG_DS4_ATTENTION_CHUNKS=0`, `TG_DS4_C_GEMM=0`, `TG_DS4_C_ATTENTION=0`,
-  `TG_DS4_VNNI=0` and `TG_DS4_WIDEN=0` turn their field off;
+  `TG_DS4_INT_DOT=0`, `TG_DS4_INT_GEMM=0`, `TG_DS4_GEMV_BLOCKS=0`, `TG_DS4_FLOAT_BITS=0`, `TG_DS4_ATTENTION_CHUNKS=0`,
+  `TG_DS4_C_GEMM=0`, `TG_DS4_C_ATTENTION=0`, `TG_DS4_VNNI=0` and `TG_DS4_WIDEN=0` turn their field off;
   `TG_DS4_KERNEL_OPTS=0` (or another tinygrad release) the forms made for our kernel heuristic."""
   device = Device.canonicalize(device or Device.DEFAULT)
   ren, on = Device[device].renderer, lambda knob: os.environ.get(knob, "1") != "0"

@@ -4,7 +4,8 @@ NVIDIA (`NULL:CUDA:sm_90`), on any machine.
 tools/gpu_record.py runs a checkout's own `profile` (this one's, or an older commit's with `--checkout`) with the CUDA
 renderer on tinygrad's NULL device and records every kernel of the profiled step: its launch (blocks, threads), the
 per-thread loop structure (how many dependent round trips to memory one thread makes), the issue slots its
-instructions take (each weighted by its pipe's rate: a conversion takes 8 FMA slots, a load 4), the bytes it moves (the footprint of its lowered index expressions) and its FLOPs. Each kernel's time is then
+instructions take (each weighted by its pipe's rate: a conversion takes 8 FMA slots, a load 4), the bytes it moves
+(the footprint of its lowered index expressions) and its FLOPs. Each kernel's time is then
 
     launch + max(round trips x latency x waves, bytes / bandwidth, instructions / issue rate, FLOPs / peak)
 
