@@ -142,7 +142,10 @@ def features(prg, vals: tuple, weight_slots: frozenset, buf_bytes: dict) -> dict
   for u in lin:
     for s_ in u.src: users.setdefault(s_, []).append(u)
   BITWISE, SPECIAL = (Ops.AND, Ops.OR, Ops.XOR), (Ops.EXP2, Ops.LOG2, Ops.SIN, Ops.SQRT, Ops.RECIPROCAL)
-  def once(v, *ops) -> bool: return v.op in ops and len(users.get(v, ())) == 1
+  def bare(v):  # through casts between integer widths (register moves): the constant or the op they carry
+    while v.op is Ops.CAST and not dtypes.is_float(v.dtype) and not dtypes.is_float(v.src[0].dtype): v = v.src[0]
+    return v
+  def once(v, *ops) -> bool: return (v := bare(v)).op in ops and len(users.get(v, ())) == 1
   def pipe(u) -> tuple[str | None, int]:
     """The pipe of `u` as NVRTC compiles it, and how many instructions: a load or store is one whatever its width (and
     none from registers); casts between integer widths and bitcasts are register moves (the loads extend); a float add
@@ -157,7 +160,7 @@ def features(prg, vals: tuple, weight_slots: frozenset, buf_bytes: dict) -> dict
       if u.op in SPECIAL: return "xu", n
       if u.op is Ops.ADD and any(once(v, Ops.MUL) and dtypes.is_float(v.dtype) for v in u.src): return None, 0
       return "fp32", n
-    if u.op in (Ops.ADD, Ops.MUL) and any(v.op is Ops.CONST for v in u.src) and users.get(u) and all(v.op is Ops.INDEX for v in users[u]):
+    if u.op in (Ops.ADD, Ops.MUL) and any(bare(v).op is Ops.CONST for v in u.src) and users.get(u) and all(v.op is Ops.INDEX for v in users[u]):
       return None, 0
     if u.op in BITWISE and any(once(v, *BITWISE) for v in u.src): return None, 0
     return "int", n
@@ -195,7 +198,8 @@ def features(prg, vals: tuple, weight_slots: frozenset, buf_bytes: dict) -> dict
     if u.op is Ops.LOAD: wait(u, "dram" if slot in weight_slots else "l2", share)
   rounds[straight[0] if straight[0] in ("dram", "l2") else "l2"] += 1  # the code outside the loops: one round trip to memory at least
   slots = max(insts, *(PIPES[p] * n for p, n in pipes.items()))
-  return {"rounds": rounds, "barriers": barriers, "instructions": slots, "sectors": transactions, "flops": flops, "tc_flops": tc_flops,
+  return {"rounds": rounds, "barriers": barriers, "instructions": slots, "pipes": {"issue": insts, **pipes}, "sectors": transactions,
+          "flops": flops, "tc_flops": tc_flops,
           "bytes": {f"{s}:{k}": b for (s, k), b in footprint.items()}}
 
 class Recorder:

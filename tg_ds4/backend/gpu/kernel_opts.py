@@ -18,8 +18,10 @@ step's GEMV, whose token axis (at most `ROWS` rows) is upcast first, so each thr
 row (left to tinygrad, each thread walked whole rows as above). Everything else
 keeps tinygrad's choices. (Measured on an H200: README, GPU.)
 
-A reduction with few outputs over a long axis (a norm's sum of squares, deepseek4's hyper-connection mixes over 4
-streams x 4096 values, a router's logits) is given up to `REDUCE_THREADS` threads per output (`wide_reduce`): tinygrad
+A reduction with few outputs over a long axis (a norm's sum of squares, MLA's 512-wide latent norm, deepseek4's
+hyper-connection mixes over 4 streams x 4096 values, a router's logits) is given up to `REDUCE_THREADS` threads per
+output (`wide_reduce`: 64 under 2048 values, 128 up to 4096, 256 beyond, as the loads each thread waits on balance the
+partials one thread then adds up): tinygrad
 gives it 16, each then waiting on its 1/16 of the row one load at a time (a 2048-wide norm: 128 dependent loads on 16
 threads, 10-20 us on an H200 where a launch takes 2-3).
 
@@ -34,7 +36,7 @@ from tg_ds4.backend.compat import AxisType, KernelOptError, Ops, Opt, OptOps, Sc
 THREADS, WORKGROUP = 32, 128  # threads per row at most (the grouped axis must divide by it), threads per workgroup
 BROADCAST = 8                 # a broadcast output axis (or several) at most this long is upcast whole (`broadcast_rows`)
 REDUCE_THREADS = 256          # threads sharing one output of a wide reduction (`wide_reduce`)
-WIDE = 1024                   # a reduction this long or longer, with few outputs, is a wide one
+WIDE = 512                    # a reduction this long or longer, with few outputs, is a wide one
 UNROLL = 32                   # values of a block a thread unpacks at once (Q4_0's 2 x 16 nibbles)
 ROWS = 8                      # a token axis this long is a batched step's rows (runtime/runner.py's BATCHES); longer, a prefill chunk
 NESTED = (AxisType.REDUCE, AxisType.UNROLL, AxisType.GROUP_REDUCE)
@@ -116,7 +118,8 @@ def wide_reduce(k: Scheduler) -> Scheduler | None:
   if not red or prod(k.full_shape[a] for a in k.axes_of(AxisType.GLOBAL)) > 2048 or prod(k.full_shape[a] for a in red) < WIDE: return None
   for i, a in enumerate(red):
     # threads per output: the loads each thread waits on (length / g) against the partials one thread adds up (g)
-    most = REDUCE_THREADS if prod(k.full_shape[r] for r in red) > 4096 else REDUCE_THREADS // 2
+    n = prod(k.full_shape[r] for r in red)
+    most = REDUCE_THREADS if n > 4096 else REDUCE_THREADS // 2 if n >= 2048 else REDUCE_THREADS // 4
     if (g := next((d for d in (256, 128, 64, 32) if d <= most and k.full_shape[a] % d == 0), 0)) == 0: continue
     alt = k.copy()
     try: alt.apply_opt(Opt(OptOps.GROUPTOP, i, g))
