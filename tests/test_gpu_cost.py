@@ -132,3 +132,27 @@ def test_conversions_take_the_slots_of_their_pipe():
   assert r.returncode == 0, r.stderr[-3000:]
   s = json.loads(r.stdout.strip().splitlines()[-1])
   assert s["convert"] == 8 and s["convert"] >= 3 * s["add"] and s["bits"] < s["convert"], s
+
+TF32_SCRIPT = """
+import json
+from tg_ds4.backend import compat
+compat.lowering_target("NULL:CUDA:sm_90")
+from tinygrad import Tensor, dtypes
+from tg_ds4.backend.compat import Ops
+from tg_ds4.tools import gpu_record
+def tc_flops(dt):
+  t = Tensor.empty(256, 256, dtype=dt).matmul(Tensor.empty(256, 256, dtype=dt), dtype=dtypes.float32)
+  prgs = [c.src[0] for c in compat.realize.compile_linear(Tensor.linear_with_vars(t)[0]).src if c.src[0].op is Ops.PROGRAM]
+  return sum(gpu_record.features(p, (), frozenset(), {})["tc_flops"] for p in prgs)
+print(json.dumps({"float32": tc_flops(dtypes.float32), "half": tc_flops(dtypes.float16)}))
+"""
+
+def test_float32_takes_no_tf32_tensor_cores_on_null_cuda():
+  """A GPU's tinygrad skips TF32 tensor cores for float32 inputs (unless ALLOW_TF32) by its device's name, which on NULL
+  is not CUDA: lowered for NULL:CUDA a float32 matmul (decode's attention scores) took TF32 MMAs a GPU never runs, and
+  10-bit mantissas besides. Half inputs keep their tensor cores."""
+  r = subprocess.run([sys.executable, "-c", TF32_SCRIPT], capture_output=True, text=True, timeout=300,
+                     env={**os.environ, "DEV": "NULL:CUDA:sm_90", "PYTHONPATH": str(ROOT)})
+  assert r.returncode == 0, r.stderr[-3000:]
+  s = json.loads(r.stdout.strip().splitlines()[-1])
+  assert s["float32"] == 0 and s["half"] > 0, s

@@ -14,7 +14,7 @@ import contextlib, functools, importlib.metadata, logging, os, sqlite3, threadin
 
 # graph and buffer internals, for every device
 from tinygrad.device import Buffer, BufferSpec, Compiler  # noqa: F401
-from tinygrad.dtype import DType, _from_np_dtype, _to_np_dtype  # noqa: F401
+from tinygrad.dtype import DType, _from_np_dtype, _to_np_dtype, dtypes  # noqa: F401
 from tinygrad.engine import jit as tinygrad_jit, realize  # noqa: F401  (profile times kernels through realize.track_stats; tools/gpu_record.py)
 from tinygrad.engine.jit import CapturedJit, JitError, _copy_input, _TinyJit  # noqa: F401
 from tinygrad.function import function  # noqa: F401
@@ -132,6 +132,20 @@ def fast_emulator_on() -> bool: return os.environ.get("TG_DS4_FAST_EMULATOR", "1
 
 def batch_compile_on() -> bool: return os.environ.get("TG_DS4_BATCH_COMPILE", "1") != "0" and internals_match()
 
+def no_tf32_on_null_cuda() -> None:
+  """tinygrad's tensor-core search skips float32 inputs (TF32) on a CUDA or NV device unless ALLOW_TF32, by the target's
+  device name; lowered on NULL the name is NULL and the float32 attention scores took TF32 tensor cores that a GPU never
+  runs. The CUDA renderer here offers no float32 ones unless ALLOW_TF32, as a GPU's search would pick."""
+  from tinygrad.helpers import ALLOW_TF32
+  from tinygrad.renderer.cstyle import CUDARenderer
+  if getattr(CUDARenderer.__init__, "_tg_ds4_no_tf32", False): return
+  orig = CUDARenderer.__init__
+  def init(self, *args, **kwargs):
+    orig(self, *args, **kwargs)
+    if not ALLOW_TF32: self.tensor_cores = [t for t in self.tensor_cores if t.dtype_in != dtypes.float]
+  init._tg_ds4_no_tf32 = True
+  CUDARenderer.__init__ = init
+
 def lowering_target(dev: str) -> None:
   """Make a NULL-device GPU target (`DEV=NULL:<renderer>[:<arch>]`: scheduled and lowered, nothing runs) lowerable on
   a machine with no GPU and no vendor toolkit; call before tinygrad opens the device. CUDA compiles with NVRTC from
@@ -140,6 +154,7 @@ def lowering_target(dev: str) -> None:
   the renderer, which decides the kernels, is Metal's own. Other targets need nothing."""
   parts = dev.upper().split(":")
   if parts[0] != "NULL" or len(parts) < 2: return
+  if parts[1] == "CUDA": no_tf32_on_null_cuda()
   if parts[1] == "CUDA" and not os.environ.get("NVRTC_PATH"):
     import importlib.util, pathlib
     if (spec := importlib.util.find_spec("nvidia.cuda_nvrtc")) is not None and spec.submodule_search_locations:

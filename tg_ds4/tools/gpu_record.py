@@ -264,6 +264,7 @@ def main(argv: list[str]) -> int:
   out, checkout = (argv[:argv.index("--")] + [None])[:2]
   if checkout: sys.path.insert(0, str(pathlib.Path(checkout).resolve()))
   nvrtc_path()
+  seam().lowering_target("NULL:CUDA:sm_90")  # as a GPU lowers: no TF32 tensor cores for float32 inputs
   os.environ["NULL_ALLOW_COPYOUT"] = "1"  # the checkout reads tokens back: NULL gives it zeros
   if not seam().internals_match():
     print(f"gpu_record: written for tinygrad {seam().TINYGRAD}, found {importlib.metadata.version('tinygrad')}", file=sys.stderr); return 2

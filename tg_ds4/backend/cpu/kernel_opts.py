@@ -31,7 +31,7 @@ from tg_ds4.backend.cpu import compiler
 from tg_ds4.backend.gpu import kernel_opts as gpu_kernel_opts
 from tg_ds4.backend.gpu.kernel_opts import NESTED, weight_operand
 from tg_ds4.backend.compat import AddrSpace, AxisType, ClangRenderer, KernelOptError, Opt, OptOps, Ops, PatternMatcher, Scheduler, UOp, UPat, \
-  codegen, graph_rewrite, heuristic, prod, remove_all_tags, strip_parens, worker
+  codegen, graph_rewrite, heuristic, no_tf32_on_null_cuda, prod, remove_all_tags, strip_parens, worker
 
 LANES = 16
 # a packed format whose lane axis is shorter than LANES (IQ2_XXS: a grid row of 8) still gains from dropping the row
@@ -252,6 +252,7 @@ def _warn_once(msg: str): logging.getLogger("tg_ds4").warning(msg)
 
 def _init_worker():
   _init_tinygrad_worker()
+  no_tf32_on_null_cuda()  # a worker lowering for NULL:CUDA lowers as a GPU would (the parent's renderer is rebuilt here)
   install()
 
 def _wide_access(sink: UOp) -> UOp:
