@@ -50,8 +50,11 @@ def test_weights_are_read_once_by_footprint(predicted):
     for name, b in k["reads"].items(): reads.setdefault(name, []).append(b)
   matrices = {x: i.nbytes * used // n if "_exps" in x else i.nbytes for x, i in gf.infos.items() if len(i.shape) >= 2 and x != "token_embd.weight"}
   assert "output.weight" in matrices and any("_exps" in x for x in matrices)
+  for i in range(gf.metadata["deepseek2.block_count"]):  # a GPU's MLA stacks q (or q_a) and kv_a: both parts read once as one
+    parts = [f"blk.{i}.attn_q.weight" if f"blk.{i}.attn_q.weight" in matrices else f"blk.{i}.attn_q_a.weight", f"blk.{i}.attn_kv_a_mqa.weight"]
+    if f"blk.{i}.attn_q_kv.weight" in reads: matrices[f"blk.{i}.attn_q_kv.weight"] = sum(matrices.pop(p) for p in parts)
   assert {x: reads.get(x) for x in matrices} == {x: [b] for x, b in matrices.items()}
-  weights = sum(b for name, bs in reads.items() if name in gf.infos for b in bs)
+  weights = sum(b for name, bs in reads.items() if name in gf.infos or name in matrices for b in bs)
   assert d["active_bytes"] <= weights <= 1.05 * d["active_bytes"]
 
 def test_the_cache_rows_are_read(predicted):

@@ -69,6 +69,9 @@ class Capabilities:
                             # the CPU's vector accumulators. On a GPU renderer the blocks are the outer sum instead, so its
                             # kernel opts spread a row's blocks over a warp's threads, each unpacking whole blocks
                             # (backend/gpu's packed_gemv); split over the lanes, each thread unpacked one byte a block
+  stacked_projections: bool # MLA's two projections of the normed input (q or q_a, and kv_a) stacked into one weight at load
+                            # (nn/mla.py MLA.stack): one GEMV launch a layer fewer on a GPU, where a launch costs more than
+                            # the GEMV's tail; the CPU keeps its two
   float_bits: bool          # a packed GEMV's small integers become float32 through their bits (quant/formats.py small_float:
                             # an or and a subtract, full-rate ALU) and it multiplies in float32: an NVIDIA SM converts
                             # int -> float and float <-> half at 16 a clock against 128 FMAs (CUDA C Programming Guide,
@@ -79,7 +82,8 @@ INT_DOT_FORMATS = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "IQ
 
 def capabilities(device: str | None = None) -> Capabilities:
   """`device`'s capabilities under the current TG_DS4_* knobs: `TG_DS4_AFFINE_GEMV=0`, `TG_DS4_EXPERT_TILES=0`,
-  `TG_DS4_INT_DOT=0`, `TG_DS4_INT_GEMM=0`, `TG_DS4_GEMV_BLOCKS=0`, `TG_DS4_FLOAT_BITS=0`, `TG_DS4_ATTENTION_CHUNKS=0`,
+  `TG_DS4_INT_DOT=0`, `TG_DS4_INT_GEMM=0`, `TG_DS4_GEMV_BLOCKS=0`, `TG_DS4_FLOAT_BITS=0`, `TG_DS4_STACKED_PROJECTIONS=0`,
+  `TG_DS4_ATTENTION_CHUNKS=0`,
   `TG_DS4_C_GEMM=0`, `TG_DS4_C_ATTENTION=0`, `TG_DS4_VNNI=0` and `TG_DS4_WIDEN=0` turn their field off;
   `TG_DS4_KERNEL_OPTS=0` (or another tinygrad release) the forms made for our kernel heuristic."""
   device = Device.canonicalize(device or Device.DEFAULT)
@@ -95,6 +99,7 @@ def capabilities(device: str | None = None) -> Capabilities:
     c_attention=_cpu_unit() if int_dot and opts and on("TG_DS4_C_ATTENTION") else None, widen_weights=on_cpu(device) and on("TG_DS4_WIDEN"),
     dot_lanes=cpu_forms or not opts, gemv_lanes=cpu_forms or not opts or not on("TG_DS4_GEMV_BLOCKS"),
     float_bits=not cpu_forms and opts and on("TG_DS4_GEMV_BLOCKS") and on("TG_DS4_FLOAT_BITS"),
+    stacked_projections=not cpu_forms and opts and on("TG_DS4_STACKED_PROJECTIONS"),
     attention_chunk=None if cpu_forms or not opts or not compat.derived_variables_on() else compat.CHUNK_SIZES[0])
 
 def _cpu_gemm() -> tuple[int, int]:

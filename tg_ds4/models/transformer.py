@@ -49,7 +49,8 @@ class Block:
     """Dense GQA blocks: q|k as one GEMV, gate|up as one GEMV. A fused kernel of the gate and up GEMVs (tinygrad's
     choice) keeps vector accumulators for only one of its two reductions; one GEMV over the stacked rows keeps them for
     every row but needs the activation as a kernel of its own. Fusing q|k pays that kernel back, so both happen or
-    neither does (the block's kernel budget holds)."""
+    neither does (the block's kernel budget holds). MLA blocks stack their input projections where the device does (MLA.stack)."""
+    if isinstance(self.attn, MLA): self.attn.stack()
     if self.attn.__class__ is not GQA or self.ffn.__class__ is not FFN or self.attn.attn_qkv is not None or not self.ffn.gated: return
     if self.attn.attn_v is None: return  # gemma4: a layer over another's KV, or with V from the K projection
     a, f = self.attn, self.ffn

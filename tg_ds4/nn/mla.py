@@ -12,7 +12,7 @@ from tg_ds4.backend.buffers import zeros
 from tg_ds4.config import ModelConfig
 from tg_ds4.nn.cache_rows import Rows, slot_rows, store_rows
 from tg_ds4.nn import attention_kernel
-from tg_ds4.nn.layers import Linear, Param, Params, RMSNorm, matmul_input
+from tg_ds4.nn.layers import Linear, Param, Params, RMSNorm, fusable, fuse_rows, matmul_input
 from tg_ds4.nn.rope import apply_rope
 from tg_ds4.quant.activations import round_activations
 from tg_ds4.quant.formats import QTensor, Weight, dot_lanes, linear
@@ -71,7 +71,23 @@ class MLA:
     self.attn_kv_a_mqa, self.attn_kv_a_norm = Linear(cfg.dim, L + R), RMSNorm(L, cfg.norm_eps)
     self.attn_k_b, self.attn_v_b = Params(weight=Param(H, L, cfg.qk_nope)), Params(weight=Param(H, cfg.v_head_dim, L))
     self.attn_output = Linear(H * cfg.v_head_dim, cfg.dim)
+    self.attn_q_kv: Linear | None = None  # q (or q_a) | kv_a stacked at load (`stack`)
     self.cache: Tensor | None = None
+
+  def stack(self) -> None:
+    """The two projections of the normed input as one weight, q (or q_a) rows then kv_a rows, where the device stacks them
+    (backend.Capabilities.stacked_projections) and they are one kind (nn/layers.py fusable): one GEMV a layer. Each
+    keeps a view of its rows."""
+    first = self.attn_q_a if self.cfg.q_lora_rank else self.attn_q
+    if settings.current(first.weight.device).caps.stacked_projections and fusable(first, self.attn_kv_a_mqa):
+      self.attn_q_kv = fuse_rows(first, self.attn_kv_a_mqa)
+
+  def _projections(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+    """(q or q_a of x, kv_a of x or None where `new_rows` computes it)."""
+    first = self.attn_q_a if self.cfg.q_lora_rank else self.attn_q
+    if self.attn_q_kv is None: return first(x), None
+    y = self.attn_q_kv(x)
+    return y[..., :first.weight.shape[0]], y[..., first.weight.shape[0]:]
 
   def init_cache(self, max_ctx: int, device: str | None = None, dtype=dtypes.float32, slots: int = 1):
     self.cache = zeros((slots, max_ctx, self.cfg.kv_lora_rank + self.cfg.rope.dim), dtype, device or Device.DEFAULT)
@@ -80,8 +96,9 @@ class MLA:
     """`shared`: what this forward's layers hand to later ones (the selections of nn/dsa.py's DSA)."""
     cfg, (B, T, _), rows = self.cfg, x.shape, Rows.of(start_pos)
     H, L, nope = cfg.n_head, cfg.kv_lora_rank, cfg.qk_nope
-    qr = matmul_input(self.attn_q_a_norm(self.attn_q_a(x))) if cfg.q_lora_rank else None   # the Q LoRA latent
-    q = (self.attn_q_b(qr) if cfg.q_lora_rank else self.attn_q(x)).reshape(B, T, H, cfg.head_dim)
+    a, kv = self._projections(x)
+    qr = matmul_input(self.attn_q_a_norm(a)) if cfg.q_lora_rank else None   # the Q LoRA latent
+    q = (self.attn_q_b(qr) if cfg.q_lora_rank else a).reshape(B, T, H, cfg.head_dim)
     q_pe = apply_rope(q[..., nope:], rope, start_pos, cfg.rope.type)
     # absorb k_b into the query: [B,H,T,nope] @ [H,nope,L] -> [B,H,T,L]
     q_lat = _absorb(q[..., :nope].transpose(1, 2), self.attn_k_b.weight, gemm=T > 1)
@@ -93,7 +110,7 @@ class MLA:
     if len(rows) > 1: q = q.contiguous()
 
     # every row's new cache rows stored at once (one store per cache buffer per forward), before any row reads them
-    cache, keys, o = store_rows(self.cache, self.new_rows(x, start_pos, rope), rows), self.stored_keys(x, rows, rope), []
+    cache, keys, o = store_rows(self.cache, self.new_rows(x, start_pos, rope, kv), rows), self.stored_keys(x, rows, rope), []
     if (kernel := self.attention_kernel(rows)) is not None:  # each row's attention as one C kernel (nn/attention_kernel.py)
       o = [attention_kernel.attention(q[b].transpose(0, 1), cache, s, p, *kernel).transpose(0, 1).unsqueeze(0) for b, (s, p) in enumerate(rows)]
     chunk = settings.current(self.cache.device).caps.attention_chunk if T == 1 and type(self).rows is MLA.rows else None
@@ -118,10 +135,11 @@ class MLA:
     # into head and value axes and misses kernel_opts' GEMM shape
     return self.attn_output(o.contiguous() if T > 1 else o)
 
-  def new_rows(self, x: Tensor, start_pos: int | UOp | Rows, rope: Tensor) -> Tensor:
-    """The cache rows `[B, T, L+R]` of the normed input `x`: `[rms_norm(kv_cmpr) ; rope(k_pe)]`."""
+  def new_rows(self, x: Tensor, start_pos: int | UOp | Rows, rope: Tensor, kv: Tensor | None = None) -> Tensor:
+    """The cache rows `[B, T, L+R]` of the normed input `x`: `[rms_norm(kv_cmpr) ; rope(k_pe)]` (`kv`: its kv_a
+    projection where the caller has it)."""
     L = self.cfg.kv_lora_rank
-    kv = self.attn_kv_a_mqa(x)
+    kv = self.attn_kv_a_mqa(x) if kv is None else kv
     return self.attn_kv_a_norm(kv[..., :L], per_element=True).cat(apply_rope(kv[..., L:], rope, start_pos, self.cfg.rope.type), dim=-1)
 
   def attention_kernel(self, rows: Rows) -> tuple | None:

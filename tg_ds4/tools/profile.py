@@ -25,7 +25,7 @@ from tg_ds4.runtime.sampling import greedy
 # (pattern on the tensor name, op); the first op in this list that any read buffer maps to wins, so a kernel that
 # fuses a norm's weight into a matmul counts as the matmul, and an expert GEMV that reads its ids through a hash table
 # (V4's first layers, `ffn_gate_tid2eid`) counts as experts
-OPS = [(r"attn_(q|qk|q_a|q_b|q_a_norm|q_norm)\.", "attn q"), (r"attn_(kv_a_mqa|kv_a_norm|k|v|k_norm|kv|kv_a)\.", "attn kv"),
+OPS = [(r"attn_(q|qk|q_kv|q_a|q_b|q_a_norm|q_norm)\.", "attn q"), (r"attn_(kv_a_mqa|kv_a_norm|k|v|k_norm|kv|kv_a)\.", "attn kv"),
        (r"attn_(k_b|v_b)\.", "absorb"), (r"attn_output(_a|_b)?\.", "attn out"), (r"indexer", "indexer"), (r"compress", "compressor"),
        (r"_exps\.", "experts"), (r"ffn_gate_inp|exp_probs_b|ffn_gate_tid2eid", "router"), (r"_shexp\.", "shared expert"),
        (r"ffn_(gate|up|down|gate_up)\.", "ffn"), (r"^output\.", "head"), (r"hc_", "hyper-conn"), (r"sinks", "softmax"),
