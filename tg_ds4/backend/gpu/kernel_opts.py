@@ -115,11 +115,11 @@ def wide_reduce(k: Scheduler) -> Scheduler | None:
   if getattr(ren, "has_threads", False) or not ren.has_local or not ren.has_shared or k.reduceop is None: return None
   if not all(isinstance(s, int) for s in k.full_shape): return None
   red = k.axes_of(AxisType.REDUCE)
-  if not red or prod(k.full_shape[a] for a in k.axes_of(AxisType.GLOBAL)) > 2048 or prod(k.full_shape[a] for a in red) < WIDE: return None
+  n = prod(k.full_shape[a] for a in red)
+  if not red or prod(k.full_shape[a] for a in k.axes_of(AxisType.GLOBAL)) > 2048 or n < WIDE: return None
+  # threads per output: the loads each thread waits on (length / g) against the partials one thread adds up (g)
+  most = REDUCE_THREADS if n > 4096 else REDUCE_THREADS // 2 if n >= 2048 else REDUCE_THREADS // 4
   for i, a in enumerate(red):
-    # threads per output: the loads each thread waits on (length / g) against the partials one thread adds up (g)
-    n = prod(k.full_shape[r] for r in red)
-    most = REDUCE_THREADS if n > 4096 else REDUCE_THREADS // 2 if n >= 2048 else REDUCE_THREADS // 4
     if (g := next((d for d in (256, 128, 64, 32) if d <= most and k.full_shape[a] % d == 0), 0)) == 0: continue
     alt = k.copy()
     try: alt.apply_opt(Opt(OptOps.GROUPTOP, i, g))
